@@ -1,0 +1,5 @@
+import sys
+
+from slidefusion.cli import main
+
+sys.exit(main())

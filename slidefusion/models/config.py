@@ -1,0 +1,81 @@
+"""Model configuration: one typed dataclass, validated when built, and named presets."""
+
+from dataclasses import asdict, dataclass, field, fields
+
+from slidefusion.errors import UserError, check
+
+ARCHS = ("dit3d", "stdit")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a video DiT.
+
+    `depth` counts blocks for `dit3d`, and (spatial, temporal) block pairs for `stdit`.
+    `attention` names the self-attention operator from the registry; for `stdit` it is used inside
+    each frame, and time always uses dense attention.
+    """
+
+    arch: str = "dit3d"
+    in_channels: int = 3
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    hidden: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    text_dim: int = 384
+    attention: str = "dense"
+    attention_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.patch_size = tuple(self.patch_size)
+        check(self.arch in ARCHS, f"model.arch={self.arch!r} is unknown; valid: {', '.join(ARCHS)}")
+        check(
+            len(self.patch_size) == 3 and all(isinstance(p, int) and p >= 1 for p in self.patch_size),
+            f"model.patch_size={self.patch_size} must be three ints >= 1 (pt, ph, pw)",
+        )
+        for name in ("in_channels", "hidden", "depth", "heads", "text_dim"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be an int >= 1")
+        check(self.mlp_ratio > 0, f"model.mlp_ratio={self.mlp_ratio} must be > 0")
+        check(
+            self.hidden % self.heads == 0,
+            f"model.hidden={self.hidden} must be divisible by model.heads={self.heads}",
+        )
+        check(self.hidden % 2 == 0, f"model.hidden={self.hidden} must be even (sin-cos positions)")
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise UserError(f"unknown model config key {unknown[0]!r}; valid: {', '.join(sorted(valid))}")
+        return cls(**data)
+
+
+# Paper-scale sizes follow the DiT width/depth ladder; parameter counts are for text_dim=4096
+# (a T5-XXL-sized text encoder) and are checked in the tests: ~1 B, ~28 B, ~105 B.
+PRESETS: dict[str, dict] = {
+    "dit3d-tiny": dict(arch="dit3d", hidden=32, depth=2, heads=2, patch_size=(1, 2, 2)),
+    "stdit-tiny": dict(arch="stdit", hidden=32, depth=2, heads=2, patch_size=(1, 2, 2)),
+    "dit3d-small": dict(arch="dit3d", hidden=192, depth=6, heads=6, patch_size=(1, 4, 4)),
+    "stdit-small": dict(arch="stdit", hidden=192, depth=3, heads=6, patch_size=(1, 4, 4)),
+    "dit3d-1b": dict(arch="dit3d", in_channels=16, hidden=1280, depth=28, heads=20, text_dim=4096),
+    "stdit-1b": dict(arch="stdit", in_channels=16, hidden=1280, depth=14, heads=20, text_dim=4096),
+    "dit3d-28b": dict(arch="dit3d", in_channels=16, hidden=5120, depth=48, heads=40, text_dim=4096),
+    "dit3d-105b": dict(arch="dit3d", in_channels=16, hidden=8192, depth=71, heads=64, text_dim=4096),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The config registered as `name`, with `overrides` applied on top."""
+    if name not in PRESETS:
+        raise UserError(f"model preset {name!r} is unknown; valid: {', '.join(PRESETS)}")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides})

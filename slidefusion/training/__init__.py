@@ -1,0 +1,8 @@
+"""Training: typed config, the loop, and atomic checkpoints."""
+
+from slidefusion.training.checkpoint import load_checkpoint, load_matching, save_checkpoint
+from slidefusion.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, load_config
+from slidefusion.training.trainer import ResidentOptimizer, Trainer, TrainResult
+
+__all__ = ["load_checkpoint", "load_matching", "save_checkpoint", "DataConfig", "OptimConfig", "RunConfig",
+           "TrainConfig", "load_config", "ResidentOptimizer", "Trainer", "TrainResult"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -115,7 +116,7 @@ def load_checkpoint(path: str | Path, with_state: bool = False) -> Checkpoint:
             if not (folder / "state.pt").is_file():
                 raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
             state = torch.load(folder / "state.pt", weights_only=False)
-    except (OSError, ValueError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, SafetensorError, RuntimeError) as error:
         if isinstance(error, UserError):
             raise
         raise UserError(f"checkpoint {folder} cannot be read: {str(error).splitlines()[0]}") from None

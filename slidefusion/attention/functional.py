@@ -1,0 +1,160 @@
+"""Self-attention on a 3D token grid, as plain functions.
+
+Tensors use NATTEN's layout: q, k, v are (B, T, H, W, heads, D) and the output has the shape and
+dtype of q. The math runs in `torch.nn.functional.scaled_dot_product_attention`, so each call picks
+up whatever fused kernel the device has. `reference.py` holds the slow specification that the tests
+compare against.
+
+Window semantics (`window_attention`). Along an axis of length L, a window w >= L is clamped to L
+and the shift on that axis becomes 0 (as Video Swin does). Otherwise, with shift s, the boundaries
+between windows lie at s + k*w (k integer) in the original coordinates, and tokens i and j attend
+to each other iff they lie between the same pair of boundaries on all three axes. So [0, s) is a
+window of its own, and so is the final partial segment. This is Swin's roll + partition + region
+mask, extended to grids the window does not divide by padding at the end and masking the padding.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from slidefusion.errors import UserError, check
+
+Triple = tuple[int, int, int]
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check(q.dim() == 6, f"q must be 6-D (B, T, H, W, heads, D); got shape {tuple(q.shape)}")
+    check(k.shape == q.shape, f"k must have the shape of q {tuple(q.shape)}; got {tuple(k.shape)}")
+    check(v.shape == q.shape, f"v must have the shape of q {tuple(q.shape)}; got {tuple(v.shape)}")
+
+
+def _check_triple(name: str, value: Sequence[int]) -> Triple:
+    ok = isinstance(value, Sequence) and len(value) == 3
+    ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    check(ok, f"{name} must be 3 ints (t, h, w); got {value!r}")
+    return tuple(value)
+
+
+def check_window_args(window_size: Sequence[int], shift: Sequence[int]) -> tuple[Triple, Triple]:
+    """Validate `window_size` (3 ints >= 1) and `shift` (3 ints, 0 <= shift < window); return tuples."""
+    window_size = _check_triple("window_size", window_size)
+    shift = _check_triple("shift", shift)
+    check(all(w >= 1 for w in window_size), f"window_size must be >= 1 on every axis; got {window_size}")
+    for axis, (w, s) in enumerate(zip(window_size, shift)):
+        if not 0 <= s < w:
+            raise UserError(f"shift[{axis}]={s} must satisfy 0 <= shift < window_size[{axis}]={w}")
+    return window_size, shift
+
+
+def effective_window(grid: Triple, window_size: Triple, shift: Triple) -> tuple[Triple, Triple]:
+    """Clamp the window to the grid; an axis the window covers whole gets no shift (as Video Swin)."""
+    window = tuple(min(w, n) for w, n in zip(window_size, grid))
+    shift = tuple(0 if w >= n else s for w, s, n in zip(window_size, shift, grid))
+    return window, shift
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Every token attends to every token. q, k, v: (B, T, H, W, heads, D) -> (B, T, H, W, heads, D).
+
+    `scale` multiplies q k^T and defaults to D ** -0.5.
+    """
+    _check_qkv(q, k, v)
+    B, T, H, W, heads, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+
+    def to_heads(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(B, T * H * W, heads, D).transpose(1, 2)  # (B, heads, N, D)
+
+    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), scale=scale)
+    return out.transpose(1, 2).reshape(B, T, H, W, heads, D)  # (B, T, H, W, heads, D)
+
+
+def _padded(grid: Triple, window: Triple) -> Triple:
+    return tuple(-(-n // w) * w for n, w in zip(grid, window))
+
+
+def _to_windows(x: torch.Tensor, window: Triple, shift: Triple) -> torch.Tensor:
+    """(B, Tp, Hp, Wp, heads, D), padded to whole windows -> (nWin, B*heads, Nw, D).
+
+    Rolling by -shift moves the boundary at `shift` to 0, so windows start at multiples of the
+    window there. Batch and heads share SDPA's head axis so that one (nWin, 1, Nw, Nw) mask
+    broadcasts over both without being copied per sample.
+    """
+    B, Tp, Hp, Wp, heads, D = x.shape
+    (wt, wh, ww), Nw = window, window[0] * window[1] * window[2]
+    x = torch.roll(x, shifts=tuple(-s for s in shift), dims=(1, 2, 3))
+    x = x.reshape(B, Tp // wt, wt, Hp // wh, wh, Wp // ww, ww, heads, D)  # (B, nT, wt, nH, wh, nW, ww, h, D)
+    x = x.permute(1, 3, 5, 0, 7, 2, 4, 6, 8)  # (nT, nH, nW, B, heads, wt, wh, ww, D)
+    return x.reshape(-1, B * heads, Nw, D)  # (nWin, B*heads, Nw, D)
+
+
+def _from_windows(x: torch.Tensor, padded: Triple, window: Triple, shift: Triple, B: int) -> torch.Tensor:
+    """Inverse of `_to_windows`: (nWin, B*heads, Nw, D) -> (B, Tp, Hp, Wp, heads, D)."""
+    (Tp, Hp, Wp), (wt, wh, ww) = padded, window
+    D = x.shape[-1]
+    x = x.reshape(Tp // wt, Hp // wh, Wp // ww, B, -1, wt, wh, ww, D)  # (nT, nH, nW, B, heads, wt, wh, ww, D)
+    x = x.permute(3, 0, 5, 1, 6, 2, 7, 4, 8)  # (B, nT, wt, nH, wh, nW, ww, heads, D)
+    x = x.reshape(B, Tp, Hp, Wp, -1, D)  # (B, Tp, Hp, Wp, heads, D)
+    return torch.roll(x, shifts=shift, dims=(1, 2, 3))
+
+
+def _window_mask(grid: Triple, window: Triple, shift: Triple, device: torch.device) -> torch.Tensor:
+    """Boolean mask (nWin, 1, Nw, Nw): query may see key (same segment on every axis, key not padding).
+
+    Each padded position is labelled with its segment id per axis (the boundary rule) and a
+    "real" flag; the labels then go through the same roll + partition as the tokens, so mask and
+    tokens cannot disagree about which token sits where.
+    """
+    axes = []
+    for n, w, s, p in zip(grid, window, shift, _padded(grid, window)):
+        i = torch.arange(p, device=device)  # (Lp,) original coordinate
+        axes.append((torch.div(i - s, w, rounding_mode="floor"), i < n))  # segment id, real
+    seg = torch.stack(torch.meshgrid(*(a[0] for a in axes), indexing="ij"), dim=-1)  # (Tp, Hp, Wp, 3)
+    real = torch.meshgrid(*(a[1] for a in axes), indexing="ij")
+    real = (real[0] & real[1] & real[2]).unsqueeze(-1).long()  # (Tp, Hp, Wp, 1)
+    labels = torch.cat([seg, real], dim=-1)[None, :, :, :, None]  # (1, Tp, Hp, Wp, 1, 4)
+    labels = _to_windows(labels, window, shift)  # (nWin, 1, Nw, 4)
+    seg, real = labels[..., :3], labels[..., 3].bool()
+    mask = (seg[..., :, None, :] == seg[..., None, :, :]).all(-1) & real[..., None, :]  # (nWin, 1, Nw, Nw)
+    # A padding query may have no visible key (a window slice of pure padding); an all-False row
+    # makes SDPA return NaN, whose gradient would leak into k and v. Letting every token see
+    # itself changes nothing for real queries and keeps padding rows finite; they are cropped.
+    return mask | torch.eye(mask.shape[-1], dtype=torch.bool, device=device)
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: Sequence[int] = (2, 4, 4),
+    shift: Sequence[int] = (0, 0, 0),
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Swin-style 3D (shifted) window attention. q, k, v: (B, T, H, W, heads, D) -> same shape.
+
+    `window_size` = (wt, wh, ww) tokens, `shift` = (st, sh, sw) with 0 <= shift < window; see the
+    module docstring for exactly which tokens see each other. `scale` defaults to D ** -0.5.
+    """
+    _check_qkv(q, k, v)
+    window_size, shift = check_window_args(window_size, shift)
+    B, T, H, W, heads, D = q.shape
+    grid = (T, H, W)
+    window, shift = effective_window(grid, window_size, shift)
+    padded = _padded(grid, window)
+    scale = D**-0.5 if scale is None else scale
+
+    pad = (0, 0, 0, 0, 0, padded[2] - W, 0, padded[1] - H, 0, padded[0] - T)  # F.pad goes last dim first
+
+    def windows(x: torch.Tensor) -> torch.Tensor:
+        return _to_windows(F.pad(x, pad), window, shift)  # (nWin, B*heads, Nw, D)
+
+    # Without shift or padding every window holds one segment: skip the mask so SDPA can use its
+    # fastest kernels.
+    needs_mask = any(shift) or padded != grid
+    mask = _window_mask(grid, window, shift, q.device) if needs_mask else None
+    out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), attn_mask=mask, scale=scale)
+    out = _from_windows(out, padded, window, shift, B)  # (B, Tp, Hp, Wp, heads, D)
+    return out[:, :T, :H, :W]  # (B, T, H, W, heads, D)

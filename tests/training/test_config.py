@@ -1,0 +1,53 @@
+import pytest
+
+from slidefusion.errors import UserError
+from slidefusion.training.config import TrainConfig, build, load_config
+
+
+def test_defaults_build_and_round_trip_through_a_dict():
+    config = load_config()
+    assert isinstance(config, TrainConfig)
+    assert build(TrainConfig, config.to_dict()) == config
+
+
+def test_yaml_preset_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  preset: stdit-tiny\n  heads: 4\nrun:\n  steps: 7\n")
+    config = load_config(path, ["optim.lr=1e-3", "run.batch_size=3", "model.attention=window",
+                                "optim.max_grad_norm=null", "model.patch_size=[1,1,1]"])
+    assert config.model.arch == "stdit" and config.model.heads == 4 and config.model.hidden == 32
+    assert config.optim.lr == 1e-3 and isinstance(config.optim.lr, float)  # YAML reads 1e-3 as a string
+    assert config.run.steps == 7 and config.run.batch_size == 3
+    assert config.model.attention == "window" and config.optim.max_grad_norm is None
+    assert config.model.patch_size == (1, 1, 1)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=1", r"unknown config key optim.lrr; valid keys under optim: lr, betas"),
+    ("nope=1", r"unknown config key nope; valid keys: model, data"),
+    ("run.steps=abc", r"run.steps='abc' must be a int"),
+    ("run.steps=0", r"run.steps=0 must be >= 1"),
+    ("data.kind=webdataset", r"data.kind='webdataset' is unknown; valid: shapes, folder"),
+    ("model.preset=huge", r"model preset 'huge' is unknown"),
+    ("optim.betas=0.9", r"optim.betas=0.9 must be a list"),
+    ("just-a-word", r"must look like section.key=value"),
+])
+def test_bad_keys_and_values_name_the_parameter(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
+        load_config(path)

@@ -1,0 +1,10 @@
+"""Video autoencoders behind `Autoencoder`: pixel space (identity) or a diffusers video VAE."""
+
+from slidefusion.vae.base import (
+    Autoencoder,
+    DiffusersVideoAutoencoder,
+    IdentityAutoencoder,
+    build_autoencoder,
+)
+
+__all__ = ["Autoencoder", "DiffusersVideoAutoencoder", "IdentityAutoencoder", "build_autoencoder"]

@@ -1,0 +1,177 @@
+"""Video autoencoders behind one small interface: pixels (B, 3, T, H, W) <-> latents (B, C, T', H', W').
+
+The DiT only ever sees latents that are already normalised for diffusion (roughly zero mean, unit
+variance per channel), so the scaling conventions of each VAE family stay inside its adapter.
+
+Time is compressed causally, as in every current video VAE (Wan, HunyuanVideo, CogVideoX, LTX):
+the first frame gets a latent frame of its own and every further `temporal_factor` frames share one,
+so T' = 1 + (T - 1) / temporal_factor, and T must be 1 more than a multiple of the factor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from slidefusion.errors import UserError, check
+
+_VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (e.g. a saved AutoencoderKLWan)"
+
+
+class Autoencoder(nn.Module, ABC):
+    """Interface. Attributes: latent_channels C, temporal_factor, spatial_factor (pixels per latent)."""
+
+    latent_channels: int
+    temporal_factor: int
+    spatial_factor: int
+
+    @abstractmethod
+    def encode(self, video: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Video (B, 3, T, H, W) float in [-1, 1] -> normalised latents (B, C, T', H', W') float32.
+
+        With a `generator`, a stochastic autoencoder samples its posterior; otherwise it is deterministic.
+        """
+
+    @abstractmethod
+    def decode(self, latents: Tensor) -> Tensor:
+        """Normalised latents (B, C, T', H', W') -> video (B, 3, T, H, W) float32 clamped to [-1, 1]."""
+
+    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """(C, T', H', W') for a `frames` x `height` x `width` video; UserError if it does not fit."""
+        tf, sf = self.temporal_factor, self.spatial_factor
+        for key, value in (("frames", frames), ("height", height), ("width", width)):
+            check(isinstance(value, int) and value >= 1, f"{key}={value!r} is invalid; valid: a positive int")
+        check((frames - 1) % tf == 0,
+              f"frames={frames} does not fit temporal factor {tf}; "
+              f"valid: 1 + {tf}k, e.g. {1 + tf}, {1 + 2 * tf}")
+        for key, value in (("height", height), ("width", width)):
+            check(value % sf == 0, f"{key}={value} is not a multiple of the spatial factor; "
+                                   f"valid: multiples of {sf}, e.g. {sf * 4}, {sf * 8}")
+        return self.latent_channels, 1 + (frames - 1) // tf, height // sf, width // sf
+
+    def check_video(self, video: Tensor) -> tuple[int, int, int, int]:
+        """Validate a (B, 3, T, H, W) video against this autoencoder; returns its `latent_shape`."""
+        check(video.ndim == 5 and video.shape[1] == 3,
+              f"video shape {tuple(video.shape)} is invalid; valid: (B, 3, T, H, W)")
+        return self.latent_shape(*(int(s) for s in video.shape[2:]))
+
+    def train(self, mode: bool = True) -> Autoencoder:
+        """Stay in eval mode: the autoencoder is frozen, whatever a parent module's mode is."""
+        return super().train(False)
+
+
+class IdentityAutoencoder(Autoencoder):
+    """Pixel-space diffusion: latents are the pixels themselves (C = 3, no compression)."""
+
+    latent_channels, temporal_factor, spatial_factor = 3, 1, 1
+
+    def encode(self, video: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        self.check_video(video)
+        return video.float()
+
+    def decode(self, latents: Tensor) -> Tensor:
+        return latents.float().clamp(-1.0, 1.0)
+
+
+class DiffusersVideoAutoencoder(Autoencoder):
+    """Adapter around a diffusers video VAE whose `encode(x).latent_dist` is a diagonal Gaussian.
+
+    Normalisation: z_norm = (z - shift) * scale, per channel. Wan configs carry per-channel
+    `latents_mean`/`latents_std` (shift = mean, scale = 1 / std); other families carry one
+    `scaling_factor` (and maybe `shift_factor`). The VAE is frozen; encode/decode build no graph.
+    """
+
+    def __init__(self, vae: nn.Module, temporal_factor: int | None = None, spatial_factor: int | None = None):
+        super().__init__()
+        self.vae = vae.requires_grad_(False)
+        self.eval()
+        config = vae.config
+        self.latent_channels = int(config.get("z_dim") or config["latent_channels"])
+        derived_t, derived_s = video_vae_factors(config)
+        self.temporal_factor = int(temporal_factor or derived_t or 0)
+        self.spatial_factor = int(spatial_factor or derived_s or 0)
+        check(self.temporal_factor >= 1 and self.spatial_factor >= 1,
+              f"vae {type(vae).__name__}: compression factors unknown from its config; "
+              "valid: pass temporal_factor= and spatial_factor=")
+        shift, scale = latent_normalisation(config, self.latent_channels)
+        self.register_buffer("latent_shift", shift.view(1, -1, 1, 1, 1), persistent=False)  # (1, C, 1, 1, 1)
+        self.register_buffer("latent_scale", scale.view(1, -1, 1, 1, 1), persistent=False)  # (1, C, 1, 1, 1)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, subfolder: str | None = None) -> DiffusersVideoAutoencoder:
+        """Load a diffusers VAE from disk only (config.json names its class); UserError if it is not there."""
+        from diffusers import AutoModel
+
+        try:
+            vae = AutoModel.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+        except (OSError, ValueError) as err:  # diffusers reports "not on disk" as either
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"vae={path} is not available offline: {reason}; {_VALID_VAES}") from None
+        check(hasattr(vae, "encode") and hasattr(vae, "decode") and hasattr(vae, "config"),
+              f"vae={path} loads a {type(vae).__name__}, not an autoencoder; {_VALID_VAES}")
+        return cls(vae)
+
+    @torch.no_grad()
+    def encode(self, video: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        self.check_video(video)
+        param = next(self.vae.parameters())
+        posterior = self.vae.encode(video.to(param.device, param.dtype)).latent_dist
+        # (B, C, T', H', W'), before normalisation
+        z = posterior.mean if generator is None else posterior.sample(generator=generator)
+        return (z.float() - self.latent_shift) * self.latent_scale
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        check(latents.ndim == 5 and latents.shape[1] == self.latent_channels,
+              f"latents shape {tuple(latents.shape)} is invalid; "
+              f"valid: (B, {self.latent_channels}, T', H', W')")
+        param = next(self.vae.parameters())
+        z = latents.float() / self.latent_scale + self.latent_shift
+        video = self.vae.decode(z.to(param.dtype)).sample  # (B, 3, T, H, W)
+        return video.float().clamp(-1.0, 1.0)
+
+
+def video_vae_factors(config: Mapping) -> tuple[int | None, int | None]:
+    """(temporal, spatial) compression read from a diffusers video VAE config; None where unknown.
+
+    For Wan the architecture fields win over `scale_factor_*`: those are constructor defaults
+    (4, 8) that a custom or tiny config does not update, while the layers do what `dim_mult` says.
+    """
+    if config.get("dim_mult") and config.get("temperal_downsample") is not None:  # Wan 2.1 / 2.2
+        levels = len(config["dim_mult"]) - 1  # the last level never downsamples
+        temporal = 2 ** sum(bool(t) for t in config["temperal_downsample"][:levels])
+        return temporal, 2**levels * (config.get("patch_size") or 1)
+    temporal = config.get("scale_factor_temporal") or config.get("temporal_compression_ratio")
+    spatial = config.get("scale_factor_spatial") or config.get("spatial_compression_ratio")
+    if spatial is None and config.get("block_out_channels"):  # CogVideoX: one 2x per extra level
+        spatial = 2 ** (len(config["block_out_channels"]) - 1)
+    return temporal and int(temporal), spatial and int(spatial)
+
+
+def latent_normalisation(config: Mapping, channels: int) -> tuple[Tensor, Tensor]:
+    """Per-channel (shift, scale) float32 (C,) such that z_norm = (z - shift) * scale."""
+    mean, std = config.get("latents_mean"), config.get("latents_std")
+    if mean is not None and std is not None:
+        check(len(mean) == channels and len(std) == channels,
+              f"vae config latents_mean/latents_std have {len(mean)}/{len(std)} entries; "
+              f"valid: one per latent channel ({channels})")
+        return torch.tensor(mean, dtype=torch.float32), 1.0 / torch.tensor(std, dtype=torch.float32)
+    # A config with neither convention is taken as already normalised (scale 1, shift 0).
+    scale = float(config.get("scaling_factor") or 1.0)
+    shift = float(config.get("shift_factor") or 0.0)
+    return torch.full((channels,), shift), torch.full((channels,), scale)
+
+
+def build_autoencoder(name: str) -> Autoencoder:
+    """'identity', or a local diffusers VAE folder (a pipeline folder with a vae/ subfolder works too)."""
+    check(isinstance(name, str) and name.strip() != "", f"vae={name!r} is invalid; {_VALID_VAES}")
+    if name.strip().lower() == "identity":
+        return IdentityAutoencoder()
+    path = Path(name).expanduser()
+    pipeline_folder = not (path / "config.json").exists() and (path / "vae" / "config.json").exists()
+    return DiffusersVideoAutoencoder.from_pretrained(path if path.exists() else name,
+                                                     subfolder="vae" if pipeline_folder else None)

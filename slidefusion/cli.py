@@ -45,9 +45,11 @@ def cmd_train(args) -> None:
 
 
 def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
-    from slidefusion.data.video_io import write_video
+    from slidefusion.data.video_io import check_video_path, write_video
     from slidefusion.pipeline import VideoPipeline
 
+    for out in outs:  # a bad file name must fail before minutes of sampling, not after
+        check_video_path(out)
     start = time.perf_counter()
     pipe = VideoPipeline.from_checkpoint(checkpoint, device=args.device)
     video = pipe(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,

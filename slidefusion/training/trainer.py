@@ -109,6 +109,7 @@ class Trainer:
         if encoder.dim != config.model.text_dim:
             raise UserError(f"model.text_dim={config.model.text_dim} must equal the text encoder's width {encoder.dim}")
         self.captions = CaptionCache(encoder, self.run_dir / "captions.safetensors")
+        torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, self.device)
         self.model.token_grid((1, config.model.in_channels, *self.autoencoder.latent_shape(data.frames, data.height, data.width)[1:]))
         self.optimizer = ResidentOptimizer(self.model, config.optim)

@@ -1,0 +1,43 @@
+import subprocess
+import sys
+
+import pytest
+
+from slidefusion.cli import main
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "slidefusion", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "configs/tiny.yaml", "optim.lrr=1"], "unknown config key optim.lrr"),
+    (["train", "configs/tiny.yaml", "data.height=15"], "height=15 must be a multiple of the patch size 2"),
+    (["train", "missing.yaml"], "config file missing.yaml does not exist"),
+    (["generate", "--checkpoint", "no/such/dir", "--prompt", "a red circle"], "checkpoint no/such/dir not found"),
+])
+def test_user_mistakes_exit_2_with_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_flag_value_exits_2_without_traceback():
+    result = _run("generate", "--checkpoint", "x", "--prompt", "p", "--steps", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "--steps" in result.stderr
+
+
+def test_train_then_generate_end_to_end(tmp_path):
+    run = tmp_path / "runs"
+    result = _run("train", "configs/tiny.yaml", f"run.output_dir={run}", "run.steps=4", "run.save_every=2", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert (run / "tiny" / "checkpoint-4" / "model.safetensors").is_file()
+    out = tmp_path / "v.gif"
+    result = _run("generate", "--checkpoint", str(run / "tiny"), "--prompt", "a red circle moving left",
+                  "--steps", "2", "--out", str(out), "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 0
+    result = _run("train", "configs/tiny.yaml", f"run.output_dir={run}", "run.steps=6", "--resume", "latest", "--quiet")
+    assert result.returncode == 0 and "at step 4" in result.stdout, result.stderr
+    result = _run("generate", "--checkpoint", str(run / "tiny"), "--prompt", "x", "--out", str(tmp_path / "v.avi"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -12,6 +12,9 @@ from pathlib import Path
 from slidefusion.errors import UserError
 
 
+_REQUIRED = object()
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -44,16 +47,37 @@ def cmd_train(args) -> None:
         print(f"nothing to do: the run is already at step {trainer.step} of {config.run.steps}")
 
 
-def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
-    from slidefusion.data.video_io import check_video_path, write_video
+def _pipeline(args, checkpoint):
     from slidefusion.pipeline import VideoPipeline
+
+    if getattr(args, "init", "checkpoint") == "random":
+        if not args.model:
+            raise UserError("--init random needs --model PRESET (e.g. stdit-tiny)")
+        return VideoPipeline.from_preset(args.model, seed=args.seed, device=args.device)
+    if checkpoint is _REQUIRED:
+        raise UserError("--checkpoint DIR is required unless --init random --model PRESET is given")
+    return VideoPipeline.from_checkpoint(checkpoint, device=args.device)
+
+
+def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
+    from safetensors.torch import save_file
+
+    from slidefusion.data.video_io import check_video_path, write_video
 
     for out in outs:  # a bad file name must fail before minutes of sampling, not after
         check_video_path(out)
     start = time.perf_counter()
-    pipe = VideoPipeline.from_checkpoint(checkpoint, device=args.device)
-    video = pipe(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
-                 guidance=args.guidance, seed=args.seed, progress=not args.quiet)
+    pipe = _pipeline(args, checkpoint)
+    latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
+                           guidance=args.guidance, seed=args.seed, progress=not args.quiet)
+    if getattr(args, "save_latents", None):
+        path = Path(args.save_latents)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({"latents": latents.cpu().contiguous()}, tmp)
+        tmp.replace(path)
+        print(f"wrote {path}")
+    video = pipe.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
     for out in outs:
         write_video(out, video, fps=pipe.config.data.fps)
         print(f"wrote {out}")
@@ -95,9 +119,13 @@ def parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="generate a video from a prompt")
-    generate.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder (its latest)")
+    generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--out", default="outputs/video.mp4", help=".mp4 (H.264) or .gif")
+    generate.add_argument("--init", choices=["checkpoint", "random"], default="checkpoint",
+                          help="random: an untrained --model PRESET, no checkpoint needed")
+    generate.add_argument("--model", metavar="PRESET", help="model preset for --init random")
+    generate.add_argument("--save-latents", metavar="PATH", help="also write the final latents (safetensors, key 'latents')")
     _sampling_options(generate)
     generate.set_defaults(func=cmd_generate)
 

@@ -9,13 +9,13 @@ from torch import Tensor
 
 from slidefusion.diffusion import sample
 from slidefusion.errors import UserError
-from slidefusion.models import VideoDiT, build_model
+from slidefusion.models import VideoDiT, build_model, preset
 from slidefusion.text import TextEncoder, build_text_encoder
 from slidefusion.training.checkpoint import load_checkpoint
 from slidefusion.training.config import TrainConfig, build
 from slidefusion.vae import Autoencoder, build_autoencoder
 
-DEFAULT_PROMPT = "a red circle moving right on a black background"
+DEFAULT_PROMPT = "a red circle moving right quickly on a black background"
 
 
 def bundled_checkpoint() -> Path:
@@ -39,15 +39,38 @@ class VideoPipeline:
         device = torch.device(device)
         model = build_model(config.model, device)
         model.load_state_dict({k: v.float() for k, v in ckpt.sampling_weights.items()})
-        model.eval()
+        return cls.assemble(model, config, device)
+
+    @classmethod
+    def from_preset(cls, name: str, seed: int = 0, device: str = "cpu") -> "VideoPipeline":
+        """An untrained model with every weight random (zero-initialised layers included), so its
+        output depends on every layer: for tests and benchmarks that need no checkpoint."""
+        config = TrainConfig(model=preset(name))
+        device = torch.device(device)
+        torch.manual_seed(seed)
+        model = build_model(config.model, device)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.02 * torch.randn_like(param))
+        return cls.assemble(model, config, device)
+
+    @classmethod
+    def assemble(cls, model: VideoDiT, config: TrainConfig, device: torch.device) -> "VideoPipeline":
         encoder = build_text_encoder(config.text_encoder, config.text_max_length)
-        return cls(model, encoder, build_autoencoder(config.autoencoder).to(device), config, device)
+        if encoder.dim != config.model.text_dim:
+            raise UserError(f"model.text_dim={config.model.text_dim} must equal the text encoder's width {encoder.dim}")
+        return cls(model.eval(), encoder, build_autoencoder(config.autoencoder).to(device), config, device)
 
     @torch.no_grad()
-    def __call__(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
-                 steps: int = 30, guidance: float = 4.0, seed: int = 0, negative_prompt: str = "",
-                 progress: bool = True) -> Tensor:
-        """A video (3, T, H, W) in [-1, 1]; sizes default to those the model was trained on."""
+    def __call__(self, prompt: str, **options) -> Tensor:
+        """A video (3, T, H, W) in [-1, 1]; see `latents` for the options."""
+        return self.autoencoder.decode(self.latents(prompt, **options))[0].clamp(-1, 1).cpu()
+
+    @torch.no_grad()
+    def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
+                steps: int = 30, guidance: float = 4.0, seed: int = 0, negative_prompt: str = "",
+                progress: bool = True) -> Tensor:
+        """Final latents (1, C, T', H', W'); sizes in pixels default to those the model was trained on."""
         if not prompt.strip():
             raise UserError("prompt must be a non-empty text")
         if guidance < 0:
@@ -57,6 +80,5 @@ class VideoPipeline:
         self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
         cond = self.text_encoder.encode([prompt])
         uncond = self.text_encoder.encode([negative_prompt])
-        latents = sample(self.model, (1, *latent), cond, uncond, steps=steps, guidance=guidance, seed=seed,
-                         device=self.device, progress=progress)
-        return self.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
+        return sample(self.model, (1, *latent), cond, uncond, steps=steps, guidance=guidance, seed=seed,
+                      device=self.device, progress=progress)

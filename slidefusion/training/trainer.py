@@ -49,6 +49,10 @@ class ResidentOptimizer:
         self.optimizer.step()
         return loss.item()
 
+    def model_state_dict(self) -> dict:
+        """The weights being trained (an offload engine returns its fp32 master copy here)."""
+        return self.model.state_dict()
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
@@ -59,14 +63,14 @@ class ResidentOptimizer:
 class EMA:
     """An fp32 exponential moving average of the weights, with DiT-style warm-up of the decay."""
 
-    def __init__(self, model: nn.Module, decay: float):
+    def __init__(self, weights: dict[str, torch.Tensor], decay: float):
         self.decay = decay
-        self.shadow = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        self.shadow = {k: v.detach().float().clone() for k, v in weights.items()}
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
+    def update(self, weights: dict[str, torch.Tensor], step: int) -> None:
         decay = min(self.decay, (1 + step) / (10 + step))
-        for name, value in model.state_dict().items():
+        for name, value in weights.items():
             self.shadow[name].lerp_(value.float(), 1 - decay)
 
 
@@ -113,7 +117,7 @@ class Trainer:
         self.model = build_model(config.model, self.device)
         self.model.token_grid((1, config.model.in_channels, *self.autoencoder.latent_shape(data.frames, data.height, data.width)[1:]))
         self.optimizer = ResidentOptimizer(self.model, config.optim)
-        self.ema = EMA(self.model, config.optim.ema_decay) if config.optim.ema_decay else None
+        self.ema = EMA(self.model.state_dict(), config.optim.ema_decay) if config.optim.ema_decay else None
         self.step = 0
 
     # -- starting points ------------------------------------------------------------------------
@@ -138,7 +142,7 @@ class Trainer:
         ckpt = load_checkpoint(checkpoint)
         loaded, skipped = load_matching(self.model, ckpt.sampling_weights)
         if self.ema is not None:
-            self.ema = EMA(self.model, self.ema.decay)
+            self.ema = EMA(self.model.state_dict(), self.ema.decay)
         return loaded, skipped
 
     # -- the loop -------------------------------------------------------------------------------
@@ -168,7 +172,7 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state()}
-        path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), self.model.state_dict(),
+        path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), self.optimizer.model_state_dict(),
                                None if self.ema is None else self.ema.shadow, state, self.config.run.keep_last)
         self.captions.save()
         return path
@@ -191,7 +195,7 @@ class Trainer:
             if not math.isfinite(loss):
                 raise RuntimeError(f"loss became {loss} at step {self.step}; lower optim.lr or set optim.max_grad_norm")
             if self.ema is not None:
-                self.ema.update(self.model, self.step)
+                self.ema.update(self.optimizer.model_state_dict(), self.step)
             self.step += 1
             result.losses.append(loss)
             bar.update(1)

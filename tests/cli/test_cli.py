@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from slidefusion.cli import main
 
@@ -41,3 +42,23 @@ def test_train_then_generate_end_to_end(tmp_path):
     assert result.returncode == 0 and "at step 4" in result.stdout, result.stderr
     result = _run("generate", "--checkpoint", str(run / "tiny"), "--prompt", "x", "--out", str(tmp_path / "v.avi"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_generate_random_init_saves_latents(tmp_path):
+    from safetensors.torch import load_file
+
+    path = tmp_path / "lat.safetensors"
+    args = ["generate", "--init", "random", "--model", "stdit-tiny", "--prompt", "a blue square", "--steps", "2",
+            "--frames", "3", "--height", "6", "--width", "10", "--out", str(tmp_path / "v.gif"),
+            "--save-latents", str(path), "--quiet"]
+    assert main(args) == 0
+    first = load_file(path)["latents"]
+    assert first.shape == (1, 3, 3, 6, 10)
+    assert main(args) == 0 and torch.equal(load_file(path)["latents"], first)  # same seed, same latents
+    assert main(args + ["--seed", "1"]) == 0 and not torch.equal(load_file(path)["latents"], first)
+
+
+def test_generate_needs_a_checkpoint_or_random_init(capsys):
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert "--checkpoint DIR is required" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--init", "random"]) == 2

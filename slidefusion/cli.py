@@ -93,6 +93,16 @@ def cmd_demo(args) -> None:
     _generate(None, args.prompt, [out.with_suffix(".mp4"), out.with_suffix(".gif")], args)
 
 
+def cmd_export(args) -> None:
+    import torch
+
+    from slidefusion.training.checkpoint import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype))
+    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    print(f"wrote {path} ({size:.1f} MiB)")
+
+
 def _sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=_positive_int, help="frames (default: the training clip length)")
     parser.add_argument("--height", type=_positive_int, help="height in pixels (default: the training size)")
@@ -128,6 +138,12 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--save-latents", metavar="PATH", help="also write the final latents (safetensors, key 'latents')")
     _sampling_options(generate)
     generate.set_defaults(func=cmd_generate)
+
+    export = sub.add_parser("export", help="write a sampling-only copy of a checkpoint (EMA weights, half precision)")
+    export.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder (its latest)")
+    export.add_argument("--out", required=True, help="destination folder")
+    export.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    export.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo", help="generate with the bundled model: OUT.mp4 and OUT.gif")
     demo.add_argument("--prompt", default=DEFAULT_PROMPT)

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,27 +76,35 @@ class Checkpoint:
 def save_checkpoint(run_dir: Path, step: int, config: dict, model: dict, ema: dict | None = None,
                     state: dict | None = None, keep_last: int | None = None) -> Path:
     """Write checkpoint-STEP atomically into `run_dir`; prune to the newest `keep_last`."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final = run_dir / f"checkpoint-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=run_dir))
-    try:
+    final = Path(run_dir) / f"checkpoint-{step}"
+    with atomic_folder(final) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file(contiguous_state(model), tmp / "model.safetensors")
         if ema is not None:
             save_file(contiguous_state(ema), tmp / "ema.safetensors")
         if state is not None:
             torch.save(state, tmp / "state.pt")
+    if keep_last is not None:
+        for old in list(checkpoint_steps(Path(run_dir)).values())[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@contextmanager
+def atomic_folder(final: Path):
+    """Yield a hidden temporary sibling of `final`; on success it replaces `final` in one rename,
+    on any error it is deleted, so `final` is never seen half-written."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        yield tmp
         _fsync_dir(tmp)
-        if final.exists():  # re-saving a step: move the old one aside first, rename is atomic
-            shutil.rmtree(final.rename(run_dir / f".old-{final.name}-{os.getpid()}"))
+        if final.exists():  # replacing: move the old one aside first, since rename is the atomic step
+            shutil.rmtree(final.rename(final.with_name(f".old-{final.name}-{os.getpid()}")))
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_last is not None:
-        for old in list(checkpoint_steps(run_dir).values())[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -143,3 +152,17 @@ def load_matching(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[l
             loaded.append(name)
     skipped += [f"{name} (not in model)" for name in weights if name not in own]
     return loaded, skipped
+
+
+def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+    """A sampling-only copy of a checkpoint: config + the EMA (or raw) weights cast to `dtype`.
+
+    This is how the bundled demo model is made: half the bytes, no optimizer state.
+    """
+    ckpt = load_checkpoint(source)
+    destination = Path(destination)
+    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.sampling_weights.items()}
+    with atomic_folder(destination) as tmp:
+        (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2))
+        save_file(contiguous_state(weights), tmp / "model.safetensors", metadata={"source": str(ckpt.path)})
+    return destination

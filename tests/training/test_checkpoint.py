@@ -51,3 +51,18 @@ def test_load_matching_lists_what_did_not_fit():
     assert any("mlp.fc1.weight" in s and "shape" in s for s in skipped)
     assert "blocks.0.attn.qkv.weight" in loaded
     assert torch.equal(wider.state_dict()["blocks.0.attn.qkv.weight"], dense.state_dict()["blocks.0.attn.qkv.weight"])
+
+
+def test_export_keeps_the_sampling_weights_in_half_precision(tmp_path):
+    from slidefusion.training.checkpoint import export_checkpoint
+
+    model = build_model(preset("dit3d-tiny"))
+    ema = {k: v + 1 for k, v in model.state_dict().items()}
+    source = save_checkpoint(tmp_path / "run", 3, {"a": 1}, model.state_dict(), ema=ema, state={"step": 3})
+    out = export_checkpoint(source, tmp_path / "bundle")
+    exported = load_checkpoint(out)
+    assert exported.config == {"a": 1} and exported.ema is None and not (out / "state.pt").exists()
+    name = "blocks.0.mlp.fc1.weight"
+    assert exported.model[name].dtype == torch.float16
+    torch.testing.assert_close(exported.model[name].float(), ema[name], atol=1e-3, rtol=1e-3)
+    export_checkpoint(source, out)  # replacing an existing export works

@@ -108,14 +108,16 @@ class Trainer:
             options.update(root=data.root, stride=data.stride)
         self.dataset = build_dataset(**options)
         self.autoencoder = build_autoencoder(config.autoencoder).to(self.device)
-        self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
+        latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
+        if latent[0] != config.model.in_channels:
+            raise UserError(f"model.in_channels={config.model.in_channels} must equal the autoencoder's latent channels {latent[0]}")
         encoder = build_text_encoder(config.text_encoder, config.text_max_length)
         if encoder.dim != config.model.text_dim:
             raise UserError(f"model.text_dim={config.model.text_dim} must equal the text encoder's width {encoder.dim}")
         self.captions = CaptionCache(encoder, self.run_dir / "captions.safetensors")
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, self.device)
-        self.model.token_grid((1, config.model.in_channels, *self.autoencoder.latent_shape(data.frames, data.height, data.width)[1:]))
+        self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
         self.optimizer = ResidentOptimizer(self.model, config.optim)
         self.ema = EMA(self.model.state_dict(), config.optim.ema_decay) if config.optim.ema_decay else None
         self.step = 0

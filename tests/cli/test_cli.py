@@ -62,3 +62,15 @@ def test_generate_needs_a_checkpoint_or_random_init(capsys):
     assert main(["generate", "--prompt", "x"]) == 2
     assert "--checkpoint DIR is required" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--init", "random"]) == 2
+
+
+def test_unreadable_video_in_a_folder_dataset_exits_2(tmp_path, capsys):
+    folder = tmp_path / "videos"
+    folder.mkdir()
+    (folder / "clip.mp4").write_bytes(b"not really an mp4")
+    (folder / "captions.csv").write_text("file,caption\nclip.mp4,a red circle\n")
+    args = ["train", "configs/tiny.yaml", "data.kind=folder", f"data.root={folder}",
+            f"run.output_dir={tmp_path / 'runs'}", "--quiet"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot read video" in err and "clip.mp4" in err and err.count("\n") == 1

@@ -1,0 +1,135 @@
+"""CLI additions: `generate --parallel ...` (under torchrun) and `slidefusion simulate`.
+
+Registered from slidefusion/cli.py through `add_parallel_options` and `add_simulate_parser`."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from slidefusion.errors import UserError
+from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, parse_slices
+
+
+def add_parallel_options(generate: argparse.ArgumentParser) -> None:
+    group = generate.add_argument_group("parallel inference (run under torchrun --nproc-per-node P)")
+    group.add_argument("--parallel", metavar="SCHEDULE", choices=list(SCHEDULES),
+                       help=f"run across the torchrun ranks: {', '.join(SCHEDULES)}")
+    group.add_argument("--slices", default="4", metavar="N|auto", help="slices per switch for scalefusion (default 4)")
+    group.add_argument("--cfg-parallel", action="store_true",
+                       help="conditional and unconditional halves on two rank groups (even rank count)")
+    group.add_argument("--trace", metavar="PATH", help="write a Chrome trace (compute and transfers per rank)")
+    group.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                       help="seconds before a collective waiting on a dead or stuck rank fails (default 300)")
+
+
+def generate_parallel(args, build_pipeline) -> None:
+    """The `generate` command across ranks: every rank samples; rank 0 writes the outputs."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from slidefusion.data.video_io import check_video_path, write_video
+    from slidefusion.parallel.api import parallel_latents
+    from slidefusion.parallel.launch import init_distributed
+    from slidefusion.parallel.trace import Tracer, step_table, write_chrome_trace
+
+    config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, args.timeout)
+    out = Path(args.out)
+    check_video_path(out)
+    start = time.perf_counter()
+    device = init_distributed(config.timeout_s)
+    args.device = str(device)
+    rank = dist.get_rank()
+    tracer = Tracer(rank=rank, enabled=True)
+    pipe = build_pipeline(args)
+    latents = parallel_latents(pipe, args.prompt, config, tracer, frames=args.frames, height=args.height,
+                               width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
+                               progress=rank == 0 and not args.quiet)
+    tracers = [None] * dist.get_world_size()
+    dist.all_gather_object(tracers, tracer)
+    if rank == 0:
+        _report(tracers, args.trace)
+        if args.save_latents:
+            path = Path(args.save_latents)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            save_file({"latents": latents.cpu().contiguous()}, tmp)
+            tmp.replace(path)
+            print(f"wrote {path}")
+        video = pipe.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
+        write_video(out, video, fps=pipe.config.data.fps)
+        print(f"wrote {out}")
+        print(f"{args.prompt!r}: {video.shape[1]} frames on {dist.get_world_size()} ranks ({args.parallel}) "
+              f"in {time.perf_counter() - start:.1f} s")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(tracers, trace_path) -> None:
+    from slidefusion.parallel.trace import step_table, write_chrome_trace
+
+    for row in step_table(tracers):
+        print(f"step {row['step']}: {1e3 * row['wall_s']:.1f} ms, exposed communication "
+              f"{1e3 * row['exposed_comm_s']:.1f} ms")
+    if trace_path:
+        write_chrome_trace(trace_path, tracers)
+        print(f"wrote {trace_path}")
+
+
+def add_simulate_parser(sub) -> None:
+    simulate = sub.add_parser("simulate", help="predict parallel schedules' step time (discrete-event model)")
+    simulate.add_argument("--scenario", choices=["paper", "custom"], default="paper",
+                          help="paper: Open-Sora STDiT3-XL/2, 720p, ~16 s, 1/2/4 nodes x 8 A100 (default)")
+    simulate.add_argument("--model", default="stdit3-xl", help="stdit3-xl or an stdit preset (custom scenario)")
+    simulate.add_argument("--frames", type=int, default=102, help="latent frames T (custom)")
+    simulate.add_argument("--positions", type=int, default=3600, help="tokens per frame S after patching (custom)")
+    simulate.add_argument("--nodes", default="1,2,4", help="comma-separated node counts (default 1,2,4)")
+    simulate.add_argument("--gpus-per-node", type=int, default=8)
+    simulate.add_argument("--inter-gbps", type=float, default=400.0, help="bandwidth between nodes, Gb/s per node")
+    simulate.add_argument("--calibration", metavar="JSON", help="measured rates overriding the A100 profile")
+    simulate.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    simulate.set_defaults(func=cmd_simulate)
+
+
+def _hardware(args):
+    import dataclasses
+
+    from slidefusion.parallel.simulate import HARDWARE
+
+    hw = dataclasses.replace(HARDWARE["a100"], inter_Bps_per_node=args.inter_gbps * 1e9 / 8)
+    if args.calibration:
+        path = Path(args.calibration)
+        if not path.is_file():
+            raise UserError(f"--calibration {path} does not exist")
+        data = json.loads(path.read_text())
+        valid = {f.name for f in dataclasses.fields(hw)} - {"name"}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise UserError(f"--calibration key {unknown[0]!r} is unknown; valid: {', '.join(sorted(valid))}")
+        hw = dataclasses.replace(hw, name=f"calibrated ({path.name})", **data)
+    return hw
+
+
+def cmd_simulate(args) -> None:
+    from slidefusion.parallel import simulate as sim
+
+    try:
+        nodes = tuple(int(n) for n in args.nodes.split(","))
+    except ValueError:
+        raise UserError(f"--nodes={args.nodes!r} must be comma-separated integers, e.g. 1,2,4") from None
+    if not nodes or min(nodes) < 1 or args.gpus_per_node < 1:
+        raise UserError("--nodes and --gpus-per-node must be >= 1")
+    hw = _hardware(args)
+    if args.scenario == "paper":
+        report = sim.paper_scenario(hw, nodes, args.gpus_per_node)
+    else:
+        dims = sim.model_dims(args.model)
+        rows = [sim.schedule_rows(sim.scenario_costs(dims, hw, args.frames, args.positions, 2, n, args.gpus_per_node),
+                                  (1, 2, 4, 8, 16, 32), {"nodes": n, "gpus": n * args.gpus_per_node}) for n in nodes]
+        report = sim.summarise(rows, nodes)
+    report["hardware"] = vars(hw) if not hasattr(hw, "__dataclass_fields__") else __import__("dataclasses").asdict(hw)
+    print(sim.format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")

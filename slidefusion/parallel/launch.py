@@ -1,0 +1,106 @@
+"""Starting ranks: under torchrun (`init_distributed`) or from Python (`spawn`), with timeouts.
+
+The backend follows the device: NCCL when CUDA is available, gloo on CPU. Every collective is
+bounded by the process group's timeout, and `spawn` bounds the whole job, so a dead or stuck rank
+ends the others with an error instead of a hang.
+"""
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from slidefusion.errors import UserError
+from slidefusion.parallel.comm import ParallelError
+
+
+def pick_backend() -> tuple[str, torch.device]:
+    """("nccl", cuda:LOCAL_RANK) with CUDA, else ("gloo", cpu)."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return "nccl", torch.device("cuda", local)
+    return "gloo", torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 300.0) -> torch.device:
+    """Join the process group torchrun (or `spawn`) described in the environment; returns the device."""
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise UserError(f"--parallel needs a launcher: run under `torchrun --nproc-per-node P -m slidefusion ...` "
+                        f"(missing {', '.join(missing)})")
+    backend, device = pick_backend()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, folder: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(int(os.environ.get("SLIDEFUSION_WORKER_THREADS", "1")))
+    result = Path(folder) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        value = fn(rank, world, *args)
+        torch.save({"ok": True, "value": value}, result)
+        dist.destroy_process_group()
+    except BaseException as error:  # report, then exit non-zero: the parent names the failed rank
+        torch.save({"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}, result)
+        os._exit(1)
+
+
+def spawn(fn, world: int, *args, timeout_s: float = 120.0, job_timeout_s: float | None = None) -> list:
+    """Run `fn(rank, world, *args)` on `world` gloo ranks on this machine; returns each rank's value.
+
+    `fn` must be importable (a module-level function). Collectives time out after `timeout_s`; the
+    whole job is killed after `job_timeout_s` (default 3 x timeout_s). Raises `ParallelError`
+    naming every rank that failed."""
+    if world < 1:
+        raise UserError(f"world={world} must be >= 1")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, folder, fn, args), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + (job_timeout_s or 3 * timeout_s)
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in stuck:  # only our own children, by handle
+            procs[r].kill()
+            procs[r].join()
+        return _collect(folder, procs, stuck)
+
+
+def _collect(folder: str, procs, stuck: list[int]) -> list:
+    values, failures = [], []
+    for r, p in enumerate(procs):
+        path = Path(folder) / f"rank{r}.pt"
+        record = torch.load(path, weights_only=False) if path.exists() else None
+        if r in stuck:
+            failures.append(f"rank {r} still running at the job deadline (killed)")
+        elif record is None:
+            failures.append(f"rank {r} died with exit code {p.exitcode}")
+        elif not record["ok"]:
+            failures.append(f"rank {r} failed: {record['error'].splitlines()[0][:300]}")
+        else:
+            values.append(record["value"])
+    if failures:
+        raise ParallelError("; ".join(failures))
+    return values

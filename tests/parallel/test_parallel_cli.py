@@ -1,0 +1,66 @@
+"""The torchrun launch path and the simulate command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from slidefusion.cli import main
+from slidefusion.parallel.launch import free_port
+from slidefusion.parallel.simulate import HARDWARE, Link, Op, StepCosts, paper_scenario, run, simulate
+
+ARGS = ["generate", "--init", "random", "--model", "stdit-tiny", "--prompt", "a blue square", "--steps", "2",
+        "--frames", "3", "--height", "6", "--width", "10", "--quiet"]
+
+
+def test_torchrun_generate_equals_one_process(tmp_path):
+    assert main(ARGS + ["--out", str(tmp_path / "s.gif"), "--save-latents", str(tmp_path / "s.safetensors")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "slidefusion", *ARGS, "--out", str(tmp_path / "p.gif"), "--save-latents", str(tmp_path / "p.safetensors"),
+           "--parallel", "scalefusion-inter", "--slices", "2", "--trace", str(tmp_path / "trace.json"), "--timeout", "60"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exposed communication" in result.stdout
+    single, parallel = (load_file(tmp_path / f"{k}.safetensors")["latents"] for k in "sp")
+    assert (single - parallel).abs().max() <= 1e-5
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1} and any(e.get("cat") == "comm" for e in events)
+
+
+def test_parallel_without_launcher_is_a_one_line_error(capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(ARGS + ["--out", "x.gif", "--parallel", "dsp"]) == 2
+    assert "torchrun --nproc-per-node P" in capsys.readouterr().err
+
+
+def test_simulate_paper_scenario_json(tmp_path, capsys):
+    assert main(["simulate", "--json", str(tmp_path / "sim.json")]) == 0
+    report = json.loads((tmp_path / "sim.json").read_text())
+    assert [r["nodes"] for r in report["rows"]] == [1, 2, 4]
+    two = report["rows"][1]["schedules"]
+    assert two["scalefusion"]["step_s"] < two["dsp"]["step_s"]  # overlap pays where the link is slow
+    assert "paper" in capsys.readouterr().out
+
+
+def test_simulator_basics():
+    # a transfer that depends on compute, then compute that depends on it: strictly serial
+    assert abs(run([Op("a", "compute", 1.0), Op("x", "link", 2.0, [0]), Op("b", "compute", 1.0, [1])]).step_s - 4) < 1e-9
+    # independent: they overlap, and compute slows down while the link is busy
+    assert abs(run([Op("a", "compute", 1.0), Op("x", "link", 1.0)], slowdown=1.0).step_s - 1.5) < 1e-9
+    link = Link(8, 4, 1e9, 1e8, 1e-5)
+    costs = StepCosts(4, 0.01, 0.005, 1e-4, 4e6, link, 0.05)
+    dsp, sf = simulate("dsp", costs, 1), simulate("scalefusion", costs, 4)
+    assert abs(dsp.step_s - dsp.compute_s - dsp.exposed_comm_s) < 1e-12 and sf.step_s < dsp.step_s
+    free = StepCosts(4, 0.01, 0.005, 0.0, 0.0, Link(8, 8, 1e12, 1e12, 0.0))
+    assert abs(simulate("scalefusion-inter", free, 8).step_s - simulate("dsp", free, 1).step_s) < 1e-9
+    assert simulate("scalefusion", costs, 64).step_s > simulate("scalefusion", costs, 8).step_s  # overheads win
+
+
+def test_paper_scenario_shape():
+    report = paper_scenario(HARDWARE["a100"])
+    assert report["rows"][0]["schedules"]["dsp"]["comm_share"] < report["rows"][1]["schedules"]["dsp"]["comm_share"]

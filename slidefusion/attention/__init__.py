@@ -1,19 +1,34 @@
 """Self-attention on 3D token grids: functional ops, thin modules, and the by-name registry.
 
-Importing this package registers the built-in operators (`dense`, `window`).
+Importing this package registers the built-in operators (`dense`, `window`, `neighborhood`, `slide`).
 """
 
-from slidefusion.attention.functional import dense_attention, window_attention
-from slidefusion.attention.modules import DenseAttention3d, GridAttention, WindowAttention3d
+from slidefusion.attention.functional import (
+    dense_attention,
+    neighborhood_attention,
+    slide_attention,
+    window_attention,
+)
+from slidefusion.attention.modules import (
+    DenseAttention3d,
+    GridAttention,
+    NeighborhoodAttention3d,
+    SlideAttention3d,
+    WindowAttention3d,
+)
 from slidefusion.attention.registry import available_attention, build_attention, register_attention
 
 __all__ = [
     "DenseAttention3d",
     "GridAttention",
+    "NeighborhoodAttention3d",
+    "SlideAttention3d",
     "WindowAttention3d",
     "available_attention",
     "build_attention",
     "dense_attention",
+    "neighborhood_attention",
     "register_attention",
+    "slide_attention",
     "window_attention",
 ]

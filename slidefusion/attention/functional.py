@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from slidefusion.attention import backends
 from slidefusion.errors import UserError, check
 
 Triple = tuple[int, int, int]
@@ -158,3 +159,81 @@ def window_attention(
     out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), attn_mask=mask, scale=scale)
     out = _from_windows(out, padded, window, shift, B)  # (B, Tp, Hp, Wp, heads, D)
     return out[:, :T, :H, :W]  # (B, T, H, W, heads, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Neighbourhood and slide attention: argument checks here, the math in `backends`.
+
+_AXES = ("T", "H", "W")
+
+
+def check_kernel_size(kernel_size: Sequence[int]) -> Triple:
+    """Validate `kernel_size`: 3 odd ints >= 1 (kt, kh, kw); return it as a tuple."""
+    kernel = _check_triple("kernel_size", kernel_size)
+    check(
+        all(x >= 1 and x % 2 == 1 for x in kernel),
+        f"kernel_size must be odd and >= 1 on every axis (1, 3, 5, ...); got {kernel}",
+    )
+    return kernel
+
+
+def _check_slide_args(q, k, v, kernel_size, offsets, scale) -> Triple:
+    _check_qkv(q, k, v)
+    check(
+        q.is_floating_point() and k.dtype == q.dtype and v.dtype == q.dtype,
+        f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}",
+    )
+    check(k.device == q.device and v.device == q.device, "q, k, v must be on one device")
+    kernel = check_kernel_size(kernel_size)
+    for axis, (n, kern) in enumerate(zip(q.shape[1:4], kernel)):
+        if kern > n:
+            raise UserError(
+                f"kernel_size[{axis}]={kern} is larger than the grid's {_AXES[axis]} axis ({n} tokens); "
+                f"use a window <= {n} there"
+            )
+    if offsets is not None:
+        K = kernel[0] * kernel[1] * kernel[2]
+        expected = (*q.shape[:5], K, 3)
+        ok = isinstance(offsets, torch.Tensor) and offsets.dim() == 7
+        ok = ok and offsets.shape[:5] == q.shape[:5] and offsets.shape[5] in (1, K) and offsets.shape[6] == 3
+        check(ok, f"offsets must be None or {expected} (or K=1); got {_shape_of(offsets)}")
+        check(offsets.is_floating_point(), f"offsets must be a floating tensor; got {offsets.dtype}")
+        check(offsets.device == q.device, f"offsets must be on q's device {q.device}; got {offsets.device}")
+    check(scale is None or isinstance(scale, (int, float)), f"scale must be None or a number; got {scale!r}")
+    return kernel
+
+
+def _shape_of(x) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def slide_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: Sequence[int] = (3, 7, 7),
+    offsets: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """3D deformable slide attention. q, k, v: (B, T, H, W, heads, D) -> (B, T, H, W, heads, D).
+
+    Each query attends to its kt x kh x kw window (NATTEN's border rule: along an axis of length L
+    the window of query i starts at clamp(i - k//2, 0, L - k)). `offsets` (B, T, H, W, heads, K, 3),
+    K = kt*kh*kw in row-major (t, h, w) window order (or K=1: one shift for the whole window),
+    moves every sample point by (dt, dh, dw) tokens; the point is clamped into the grid and keys
+    and values there are read by trilinear interpolation. No offsets gives neighbourhood attention.
+    `scale` defaults to D ** -0.5. Differentiable in q, k, v and offsets.
+    """
+    kernel = _check_slide_args(q, k, v, kernel_size, offsets, scale)
+    return backends.slide(q, k, v, kernel, offsets, scale)  # CPU: tiled PyTorch; CUDA: Triton
+
+
+def neighborhood_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: Sequence[int] = (3, 7, 7),
+    scale: float | None = None,
+) -> torch.Tensor:
+    """3D neighbourhood attention (NATTEN's `na3d`): `slide_attention` without offsets."""
+    return slide_attention(q, k, v, kernel_size, None, scale)

@@ -8,9 +8,16 @@ one output projection. `GridAttention` owns the projections, so an operator only
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from slidefusion.attention.functional import check_window_args, dense_attention, window_attention
+from slidefusion.attention.functional import (
+    check_kernel_size,
+    check_window_args,
+    dense_attention,
+    slide_attention,
+    window_attention,
+)
 from slidefusion.attention.registry import register_attention
 from slidefusion.errors import UserError, check
 
@@ -96,3 +103,108 @@ def build_window(dim: int, heads: int, *, block_index: int = 0, **options) -> Wi
     window_size, _ = check_window_args(window_size, (0, 0, 0))  # a YAML list becomes a tuple
     shift = tuple(w // 2 for w in window_size) if block_index % 2 else (0, 0, 0)
     return WindowAttention3d(dim, heads, window_size, shift, qkv_bias=qkv_bias)
+
+
+def fit_kernel(kernel: tuple[int, int, int], grid: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Shrink each axis of the window to the largest odd size that fits the grid, so one model
+    runs on any latent size (as `window` clamps its windows); the functional op rejects a too-large window."""
+    return tuple(k if k <= n else n - 1 + n % 2 for k, n in zip(kernel, grid))
+
+
+class NeighborhoodAttention3d(GridAttention):
+    """Each token attends to its kt x kh x kw neighbourhood (NATTEN's na3d border rule)."""
+
+    def __init__(self, dim: int, heads: int, kernel_size: Sequence[int] = (3, 7, 7), qkv_bias: bool = True):
+        super().__init__(dim, heads, qkv_bias)
+        self.kernel_size = check_kernel_size(kernel_size)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return slide_attention(q, k, v, fit_kernel(self.kernel_size, q.shape[1:4]))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kernel_size={self.kernel_size}"
+
+
+OFFSET_MODES = ("sample", "shift")
+
+
+class SlideAttention3d(GridAttention):
+    """3D deformable slide attention: a neighbourhood window whose sample points move by learned offsets.
+
+    The offset network reads the queries: a depthwise 3x3x3 Conv3d (local motion context), GELU,
+    and a Linear to `heads * K * 3` offsets (offset_mode="sample", one per window slot, the paper's
+    form) or `heads * 3` (offset_mode="shift": the whole window of each head moves, K times cheaper
+    to predict). The Linear starts at zero, so training starts as neighbourhood attention, and
+    offsets are bounded to +-max_offset tokens by a tanh; below 1 the kernels' halo grows by only
+    one token per side.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kernel_size: Sequence[int] = (3, 7, 7),
+        offset_mode: str = "sample",
+        max_offset: float = 0.9,
+        qkv_bias: bool = True,
+    ):
+        super().__init__(dim, heads, qkv_bias)
+        self.kernel_size = check_kernel_size(kernel_size)
+        check(offset_mode in OFFSET_MODES, f"offset_mode={offset_mode!r} is unknown; valid: {', '.join(OFFSET_MODES)}")
+        check(
+            isinstance(max_offset, (int, float)) and max_offset > 0,
+            f"max_offset={max_offset!r} must be a number > 0 (tokens)",
+        )
+        self.offset_mode, self.max_offset = offset_mode, float(max_offset)
+        kt, kh, kw = self.kernel_size
+        self.slots = kt * kh * kw if offset_mode == "sample" else 1
+        self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)
+        self.offset_linear = nn.Linear(dim, heads * self.slots * 3)
+        nn.init.zeros_(self.offset_linear.weight)
+        nn.init.zeros_(self.offset_linear.bias)
+
+    def offsets(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
+        """Queries (B, T, H, W, heads, D) -> offsets (B, T, H, W, heads, K or 1, 3) for `kernel`."""
+        B, T, H, W, heads, D = q.shape
+        x = q.reshape(B, T, H, W, heads * D).permute(0, 4, 1, 2, 3)  # (B, C, T, H, W)
+        x = F.gelu(self.offset_conv(x)).permute(0, 2, 3, 4, 1)  # (B, T, H, W, C)
+        off = self.max_offset * torch.tanh(self.offset_linear(x))  # (B, T, H, W, heads*slots*3)
+        if self.slots == 1:
+            return off.view(B, T, H, W, heads, 1, 3)
+        # A window shrunk to fit a small grid keeps the offsets of its centre slots.
+        off = off.view(B, T, H, W, heads, *self.kernel_size, 3)
+        for axis, (k_full, k) in enumerate(zip(self.kernel_size, kernel)):
+            off = off.narrow(5 + axis, (k_full - k) // 2, k)
+        return off.reshape(B, T, H, W, heads, -1, 3)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kernel = fit_kernel(self.kernel_size, q.shape[1:4])
+        return slide_attention(q, k, v, kernel, offsets=self.offsets(q, kernel))
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, kernel_size={self.kernel_size}, offset_mode={self.offset_mode!r}, "
+            f"max_offset={self.max_offset}"
+        )
+
+
+def _kernel_option(options: dict) -> tuple[int, int, int]:
+    return check_kernel_size(tuple(options.pop("kernel_size", (3, 7, 7))))  # a YAML list becomes a tuple
+
+
+@register_attention("neighborhood")
+def build_neighborhood(dim: int, heads: int, *, block_index: int = 0, **options) -> NeighborhoodAttention3d:
+    kernel = _kernel_option(options)
+    qkv_bias = options.pop("qkv_bias", True)
+    _reject_unknown("neighborhood", options, ["kernel_size", "qkv_bias"])
+    return NeighborhoodAttention3d(dim, heads, kernel, qkv_bias=qkv_bias)
+
+
+@register_attention("slide")
+def build_slide(dim: int, heads: int, *, block_index: int = 0, **options) -> SlideAttention3d:
+    kernel = _kernel_option(options)
+    mode = options.pop("offset_mode", "sample")
+    max_offset = options.pop("max_offset", 0.9)
+    qkv_bias = options.pop("qkv_bias", True)
+    _reject_unknown("slide", options, ["kernel_size", "offset_mode", "max_offset", "qkv_bias"])
+    return SlideAttention3d(dim, heads, kernel, mode, max_offset, qkv_bias=qkv_bias)

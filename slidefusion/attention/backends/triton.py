@@ -1,0 +1,254 @@
+"""Triton kernels for slide / neighbourhood attention (CUDA), forward and backward.
+
+One program handles BLOCK_Q consecutive query tokens of one (sample, head). It walks the K window
+slots with an online softmax (FlashAttention's running max and sum), so nothing of size N*K is
+stored: per slot it builds the trilinearly interpolated key and value rows from their 8 corners,
+which stay in L1/L2 because neighbouring queries read overlapping windows. The backward replays
+the walk from the saved log-sum-exp; dK and dV go to their corners with atomic adds (a corner is
+shared by many queries), and the offset gradient of a slot is d score / d point plus
+p * dO . d value / d point, zeroed where the grid clamp holds the point.
+
+The same code runs on the CPU under TRITON_INTERPRET=1, which is how the test suite checks it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _axis(pos, length):
+    """Clamp a sample coordinate into [0, length - 1]: low/high corner, fraction, not-clamped flag."""
+    inside = (pos > 0.0) & (pos < length - 1.0)
+    p = tl.minimum(tl.maximum(pos, 0.0), length - 1.0)
+    f = tl.floor(p)
+    lo = f.to(tl.int32)
+    hi = tl.minimum(lo + 1, length - 1)
+    return lo, hi, p - f, inside
+
+
+@triton.jit
+def _slot_points(s, st, sh, sw, OFF, off_row, qmask, KH: tl.constexpr, KW: tl.constexpr, KO: tl.constexpr,
+                 HAS_OFF: tl.constexpr):
+    """Unclamped sample point (t, h, w) of window slot s for each query: 3 x (BLOCK_Q,) float32."""
+    pt = (st + s // (KH * KW)).to(tl.float32)
+    ph = (sh + (s // KW) % KH).to(tl.float32)
+    pw = (sw + s % KW).to(tl.float32)
+    if HAS_OFF:
+        ptr = OFF + (off_row * KO + (s if KO > 1 else 0)) * 3
+        pt += tl.load(ptr + 0, mask=qmask, other=0.0).to(tl.float32)
+        ph += tl.load(ptr + 1, mask=qmask, other=0.0).to(tl.float32)
+        pw += tl.load(ptr + 2, mask=qmask, other=0.0).to(tl.float32)
+    return pt, ph, pw
+
+
+@triton.jit
+def _starts(n, T, H, W, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr):
+    """Window start of each query token on each axis (NATTEN's border rule)."""
+    t = n // (H * W)
+    h = (n // W) % H
+    w = n % W
+    st = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
+    sh = tl.minimum(tl.maximum(h - KH // 2, 0), H - KH)
+    sw = tl.minimum(tl.maximum(w - KW // 2, 0), W - KW)
+    return st, sh, sw
+
+
+@triton.jit
+def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
+               KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KO: tl.constexpr, HAS_OFF: tl.constexpr,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    pid_q, bh = tl.program_id(0), tl.program_id(1)
+    b, head = bh // HEADS, bh % HEADS
+    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BLOCK_Q,) query tokens
+    qmask = n < N
+    d = tl.arange(0, BLOCK_D)
+    m2 = qmask[:, None] & (d < D)[None, :]
+    stride = HEADS * D  # between tokens; q, k, v are (B, N, heads, D) contiguous
+    base = b * N * stride + head * D
+    q = tl.load(Q + base + n[:, None] * stride + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    st, sh, sw = _starts(n, T, H, W, KT, KH, KW)
+    off_row = (b * N + n) * HEADS + head
+    m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    for s in range(KT * KH * KW):
+        pt, ph, pw = _slot_points(s, st, sh, sw, OFF, off_row, qmask, KH, KW, KO, HAS_OFF)
+        t0, t1, ft, _it = _axis(pt, T)
+        h0, h1, fh, _ih = _axis(ph, H)
+        w0, w1, fw, _iw = _axis(pw, W)
+        kv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        vv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        for c in tl.static_range(8):
+            it = t1 if (c >> 2) & 1 else t0
+            ih = h1 if (c >> 1) & 1 else h0
+            iw = w1 if c & 1 else w0
+            wt = ft if (c >> 2) & 1 else 1.0 - ft
+            wh = fh if (c >> 1) & 1 else 1.0 - fh
+            ww = fw if c & 1 else 1.0 - fw
+            wgt = (wt * wh * ww)[:, None]
+            ptr = base + ((it * H + ih) * W + iw)[:, None] * stride + d[None, :]
+            kv += wgt * tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
+            vv += wgt * tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
+        score = tl.sum(q * kv, axis=1) * scale
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(score - m_new)
+        acc = acc * alpha[:, None] + p[:, None] * vv
+        l_i = l_i * alpha + p
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(OUT + base + n[:, None] * stride + d[None, :], out.to(OUT.dtype.element_ty), mask=m2)
+    tl.store(LSE + bh * N + n, m_i + tl.log(l_i), mask=qmask)
+
+
+@triton.jit
+def _slide_bwd(Q, K, V, OFF, DO, LSE, DELTA, DQ, DK, DV, DOFF, T, H, W, N, HEADS, scale,
+               KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KO: tl.constexpr, HAS_OFF: tl.constexpr,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    pid_q, bh = tl.program_id(0), tl.program_id(1)
+    b, head = bh // HEADS, bh % HEADS
+    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    qmask = n < N
+    d = tl.arange(0, BLOCK_D)
+    m2 = qmask[:, None] & (d < D)[None, :]
+    stride = HEADS * D
+    base = b * N * stride + head * D
+    rows = n[:, None] * stride + d[None, :]
+    q = tl.load(Q + base + rows, mask=m2, other=0.0).to(tl.float32)
+    do = tl.load(DO + base + rows, mask=m2, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + bh * N + n, mask=qmask, other=0.0)
+    delta = tl.load(DELTA + bh * N + n, mask=qmask, other=0.0)
+    st, sh, sw = _starts(n, T, H, W, KT, KH, KW)
+    off_row = (b * N + n) * HEADS + head
+    dq = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    g_t = tl.zeros((BLOCK_Q,), tl.float32)  # offset gradient summed over slots (KO == 1)
+    g_h = tl.zeros((BLOCK_Q,), tl.float32)
+    g_w = tl.zeros((BLOCK_Q,), tl.float32)
+    for s in range(KT * KH * KW):
+        pt, ph, pw = _slot_points(s, st, sh, sw, OFF, off_row, qmask, KH, KW, KO, HAS_OFF)
+        t0, t1, ft, in_t = _axis(pt, T)
+        h0, h1, fh, in_h = _axis(ph, H)
+        w0, w1, fw, in_w = _axis(pw, W)
+        kv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        vv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        # d(interpolated row)/d(point) per axis, for the offset gradient.
+        dk_t = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        dk_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        dk_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        dv_t = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        dv_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        dv_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        for c in tl.static_range(8):
+            it = t1 if (c >> 2) & 1 else t0
+            ih = h1 if (c >> 1) & 1 else h0
+            iw = w1 if c & 1 else w0
+            wt = ft if (c >> 2) & 1 else 1.0 - ft
+            wh = fh if (c >> 1) & 1 else 1.0 - fh
+            ww = fw if c & 1 else 1.0 - fw
+            sgn_t = 1.0 if (c >> 2) & 1 else -1.0
+            sgn_h = 1.0 if (c >> 1) & 1 else -1.0
+            sgn_w = 1.0 if c & 1 else -1.0
+            ptr = base + ((it * H + ih) * W + iw)[:, None] * stride + d[None, :]
+            kc = tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
+            vc = tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
+            wgt = (wt * wh * ww)[:, None]
+            kv += wgt * kc
+            vv += wgt * vc
+            if HAS_OFF:
+                dk_t += (sgn_t * wh * ww)[:, None] * kc
+                dk_h += (sgn_h * wt * ww)[:, None] * kc
+                dk_w += (sgn_w * wt * wh)[:, None] * kc
+                dv_t += (sgn_t * wh * ww)[:, None] * vc
+                dv_h += (sgn_h * wt * ww)[:, None] * vc
+                dv_w += (sgn_w * wt * wh)[:, None] * vc
+        p = tl.exp(tl.sum(q * kv, axis=1) * scale - lse)
+        ds = p * (tl.sum(do * vv, axis=1) - delta)  # d loss / d score
+        dq += ds[:, None] * kv
+        for c in tl.static_range(8):
+            it = t1 if (c >> 2) & 1 else t0
+            ih = h1 if (c >> 1) & 1 else h0
+            iw = w1 if c & 1 else w0
+            wt = ft if (c >> 2) & 1 else 1.0 - ft
+            wh = fh if (c >> 1) & 1 else 1.0 - fh
+            ww = fw if c & 1 else 1.0 - fw
+            wgt = wt * wh * ww
+            ptr = base + ((it * H + ih) * W + iw)[:, None] * stride + d[None, :]
+            tl.atomic_add(DK + ptr, (wgt * ds * scale)[:, None] * q, mask=m2)
+            tl.atomic_add(DV + ptr, (wgt * p)[:, None] * do, mask=m2)
+        if HAS_OFF:
+            a = ds * scale
+            gt = tl.where(in_t, a * tl.sum(q * dk_t, axis=1) + p * tl.sum(do * dv_t, axis=1), 0.0)
+            gh = tl.where(in_h, a * tl.sum(q * dk_h, axis=1) + p * tl.sum(do * dv_h, axis=1), 0.0)
+            gw = tl.where(in_w, a * tl.sum(q * dk_w, axis=1) + p * tl.sum(do * dv_w, axis=1), 0.0)
+            if KO > 1:
+                ptr = DOFF + (off_row * KO + s) * 3
+                tl.store(ptr + 0, gt, mask=qmask)
+                tl.store(ptr + 1, gh, mask=qmask)
+                tl.store(ptr + 2, gw, mask=qmask)
+            else:
+                g_t += gt
+                g_h += gh
+                g_w += gw
+    tl.store(DQ + base + rows, dq * scale, mask=m2)
+    if HAS_OFF:
+        if KO == 1:
+            tl.store(DOFF + off_row * 3 + 0, g_t, mask=qmask)
+            tl.store(DOFF + off_row * 3 + 1, g_h, mask=qmask)
+            tl.store(DOFF + off_row * 3 + 2, g_w, mask=qmask)
+
+
+BLOCK_Q = 32
+
+
+def _launch_args(q, kernel, offsets):
+    B, T, H, W, heads, D = q.shape
+    N = T * H * W
+    ko = 1 if offsets is None else offsets.shape[5]
+    grid = (triton.cdiv(N, BLOCK_Q), B * heads)
+    consts = dict(KT=kernel[0], KH=kernel[1], KW=kernel[2], KO=ko, HAS_OFF=offsets is not None, D=D,
+                  BLOCK_D=triton.next_power_of_2(D), BLOCK_Q=BLOCK_Q)
+    return grid, (T, H, W, N, heads), consts
+
+
+class TritonSlideFunction(torch.autograd.Function):
+    """Saves q, k, v, offsets, out and the log-sum-exp (B*heads*N floats); replays the rest."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, kernel, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        offsets = None if offsets is None else offsets.contiguous()
+        grid, dims, consts = _launch_args(q, kernel, offsets)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0] * q.shape[4], dims[3], device=q.device, dtype=torch.float32)
+        off_arg = offsets if offsets is not None else q  # never read without offsets
+        _slide_fwd[grid](q, k, v, off_arg, out, lse, *dims, scale, **consts)
+        ctx.save_for_backward(q, k, v, offsets, out, lse)
+        ctx.kernel, ctx.scale = kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, offsets, out, lse = ctx.saved_tensors
+        do = grad_out.contiguous()
+        B, T, H, W, heads, D = q.shape
+        delta = (do.float() * out.float()).sum(-1)  # (B, T, H, W, heads)
+        delta = delta.reshape(B, T * H * W, heads).transpose(1, 2).reshape(B * heads, -1).contiguous()
+        grid, dims, consts = _launch_args(q, ctx.kernel, offsets)
+        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        dk = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # atomics accumulate in fp32
+        dv = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        doff = None if offsets is None else torch.zeros(offsets.shape, device=q.device, dtype=torch.float32)
+        off_arg = offsets if offsets is not None else q
+        doff_arg = doff if doff is not None else dq
+        _slide_bwd[grid](q, k, v, off_arg, do, lse, delta, dq, dk, dv, doff_arg, *dims, ctx.scale, **consts)
+        cast = (lambda x, like: None if x is None else x.to(like.dtype))
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(doff, offsets) if offsets is not None else None, None, None
+
+
+def slide_attention_triton(q, k, v, kernel, offsets=None, scale=None):
+    """Fused slide attention; arguments as `functional.slide_attention` (already checked)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if offsets is not None and offsets.dtype != q.dtype:
+        offsets = offsets.to(q.dtype)
+    return TritonSlideFunction.apply(q, k, v, offsets, tuple(kernel), scale)

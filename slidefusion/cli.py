@@ -28,7 +28,9 @@ def _positive_int(text: str) -> int:
 def cmd_train(args) -> None:
     from slidefusion.training import Trainer, load_config
 
-    config = load_config(args.config, args.overrides)
+    from slidefusion.offload.cli import offload_overrides
+
+    config = load_config(args.config, [*args.overrides, *offload_overrides(args)])
     if args.resume and args.init_from:
         raise UserError("--resume and --init-from exclude each other: resume continues a run, init-from starts a new one")
     trainer = Trainer(config, quiet=args.quiet)
@@ -85,6 +87,10 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
 
 
 def cmd_generate(args) -> None:
+    if getattr(args, "parallel", None):
+        from slidefusion.parallel.cli import generate_parallel
+
+        return generate_parallel(args, lambda a: _pipeline(a, a.checkpoint))
     _generate(args.checkpoint, args.prompt, [Path(args.out)], args)
 
 
@@ -115,6 +121,8 @@ def _sampling_options(parser: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from slidefusion.parallel.cli import add_parallel_options, add_simulate_parser
+    from slidefusion.offload.cli import add_offload_options, add_plan_parser
     from slidefusion.pipeline import DEFAULT_PROMPT
 
     root = argparse.ArgumentParser(prog="slidefusion", description="Video diffusion transformers: train and sample.")
@@ -126,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="latest|DIR", help="continue a run exactly from a checkpoint")
     train.add_argument("--init-from", metavar="CHECKPOINT", help="start a new run from matching pretrained weights")
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    add_offload_options(train)
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="generate a video from a prompt")
@@ -137,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("--model", metavar="PRESET", help="model preset for --init random")
     generate.add_argument("--save-latents", metavar="PATH", help="also write the final latents (safetensors, key 'latents')")
     _sampling_options(generate)
+    add_parallel_options(generate)
     generate.set_defaults(func=cmd_generate)
 
     export = sub.add_parser("export", help="write a sampling-only copy of a checkpoint (EMA weights, half precision)")
@@ -150,6 +160,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="outputs/demo.mp4")
     _sampling_options(demo)
     demo.set_defaults(func=cmd_demo)
+    add_simulate_parser(sub)
+    add_plan_parser(sub)
     return root
 
 

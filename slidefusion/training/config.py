@@ -15,6 +15,7 @@ import yaml
 from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
+from slidefusion.offload.config import OffloadConfig
 
 
 @dataclass
@@ -91,6 +92,7 @@ class TrainConfig:
     diffusion: FlowConfig = field(default_factory=FlowConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     text_encoder: str = "minilm"
     text_max_length: int = 32
     autoencoder: str = "identity"

@@ -20,6 +20,7 @@ from slidefusion.data import build_dataset
 from slidefusion.diffusion import flow_loss
 from slidefusion.errors import UserError
 from slidefusion.models import build_model
+from slidefusion.offload.training import offload_optimizer
 from slidefusion.text import CaptionCache, build_text_encoder
 from slidefusion.training.checkpoint import load_checkpoint, load_matching, save_checkpoint
 from slidefusion.training.config import OptimConfig, TrainConfig, build
@@ -116,9 +117,10 @@ class Trainer:
             raise UserError(f"model.text_dim={config.model.text_dim} must equal the text encoder's width {encoder.dim}")
         self.captions = CaptionCache(encoder, self.run_dir / "captions.safetensors")
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
-        self.model = build_model(config.model, self.device)
-        self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        self.optimizer = ResidentOptimizer(self.model, config.optim)
+        offload = config.offload.enabled  # the engine places the weights itself: build them on the host
+        self.model = build_model(config.model, "cpu" if offload else self.device)
+        grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
+        self.optimizer = offload_optimizer(self.model, config, math.prod(grid)) if offload else ResidentOptimizer(self.model, config.optim)
         self.ema = EMA(self.model.state_dict(), config.optim.ema_decay) if config.optim.ema_decay else None
         self.step = 0
 

@@ -1,0 +1,175 @@
+"""Asynchronous work that returns handles: copies between host and device, and CPU jobs.
+
+Every asynchronous operation returns a `Handle`; the caller waits on it exactly where the result is
+needed. `wait()` makes the *device's* compute stream wait (free on CPU, where compute is the
+calling thread), `synchronize()` blocks the calling *host thread*. On CUDA a copy is an event on a
+dedicated copy stream; on CPU it is a job on a background thread, so the ordering logic is the same
+code in both cases and races show up in CPU tests.
+"""
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class Handle:
+    """Completion of one asynchronous operation."""
+
+    def wait(self) -> None:
+        """Order later work on the current device stream after this operation."""
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Block the calling host thread until the operation has finished."""
+
+    def done(self) -> bool:
+        return True
+
+
+DONE = Handle()
+
+
+class ThreadHandle(Handle):
+    """Set by a host thread when its job finishes; carries the job's exception, if any."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def synchronize(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise RuntimeError(f"offload worker failed: {self._error!r}") from self._error
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+
+class CudaHandle(Handle):
+    """An event recorded on a CUDA stream."""
+
+    def __init__(self, stream: "torch.cuda.Stream"):
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+def no_jitter() -> None:
+    """The default fault injector: do nothing."""
+
+
+class Worker:
+    """One background thread running submitted jobs in order; each job gets a `ThreadHandle`.
+
+    A job first waits (on this thread) for its `after` handles, so dependencies never block the
+    submitter. `jitter` runs before each job: tests set it to random sleeps to expose races.
+    """
+
+    def __init__(self, name: str):
+        self.jitter: Callable[[], None] = no_jitter
+        self.busy_s = 0.0  # seconds spent running jobs (not waiting for dependencies)
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = ()) -> ThreadHandle:
+        handle = ThreadHandle()
+        self._jobs.put((job, after, handle))
+        return handle
+
+    def _run(self) -> None:
+        failed: BaseException | None = None
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, after, handle = item
+            if failed is not None:  # once a job fails, later ones would run on broken state
+                handle.set(failed)
+                continue
+            try:
+                for dependency in after:
+                    dependency.synchronize()
+                self.jitter()
+                start = time.perf_counter()
+                job()
+                self.busy_s += time.perf_counter() - start
+                handle.set()
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the handle
+                failed = error
+                handle.set(error)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class ThreadCopier:
+    """Copies on a background thread (CPU 'device'): `copy(dst, src, after) -> Handle`."""
+
+    def __init__(self, name: str):
+        self.worker = Worker(name)
+        self.host_wait_s = 0.0  # never blocks the submitter: dependencies wait on the worker
+
+    def set_jitter(self, jitter: Callable[[], None]) -> None:
+        self.worker.jitter = jitter
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
+        return self.worker.submit(lambda: dst.copy_(src), after)
+
+    def marker(self) -> Handle:
+        """The point the compute stream has reached; CPU compute is synchronous, so: now."""
+        return DONE
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class CudaCopier:
+    """Copies on a dedicated CUDA stream; dependencies become stream waits, not host waits."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device)
+        self.jitter: Callable[[], None] = no_jitter
+        self.host_wait_s = 0.0  # time the submitter blocked on host-side (thread) dependencies
+
+    def set_jitter(self, jitter: Callable[[], None]) -> None:
+        self.jitter = jitter  # runs in the submitting thread: delays the issue of the copy
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
+        for dependency in after:
+            if isinstance(dependency, CudaHandle):
+                self.stream.wait_event(dependency.event)
+            else:  # a host job (the optimizer writing the source): a stream cannot wait on it
+                start = time.perf_counter()
+                dependency.synchronize()
+                self.host_wait_s += time.perf_counter() - start
+        self.jitter()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            return CudaHandle(self.stream)
+
+    def marker(self) -> Handle:
+        return CudaHandle(torch.cuda.current_stream())
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_copier(name: str, device: torch.device):
+    return CudaCopier(name, device) if device.type == "cuda" else ThreadCopier(name)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slidefusion.attention import dense_attention, slide_attention, window_attention  # noqa: E402
+from slidefusion.attention import backends, dense_attention, slide_attention, window_attention  # noqa: E402
 
 OPS = ("dense", "window", "neighborhood", "slide-sample", "slide-shift")
 FULL_GRIDS = ("4x16x16", "8x32x32", "16x32x32", "16x64x64")
@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="auto", choices=backends.BACKENDS,
+                   help="neighbourhood / slide backend (auto: compiled C++ on CPU, Triton on CUDA)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default="runs/benchmarks/attention", help="folder for attention.json / .png")
     p.add_argument("--quick", action="store_true", help="tiny grids, one repeat: checks that everything runs")
@@ -68,10 +70,15 @@ def make_op(name: str, args, grid, inputs):
         return lambda: dense_attention(q, k, v), ()
     if name == "window":
         return lambda: window_attention(q, k, v, window), ()
+    def slide(off=None):
+        if args.backend == "auto":
+            return slide_attention(q, k, v, kernel, off)
+        return backends.slide(q, k, v, kernel, off, None, backend=args.backend)  # shapes as checked above
+
     if name == "neighborhood":
-        return lambda: slide_attention(q, k, v, kernel), ()
+        return lambda: slide(), ()
     off = offsets(kernel[0] * kernel[1] * kernel[2] if name == "slide-sample" else 1)
-    return lambda: slide_attention(q, k, v, kernel, off), (off,)
+    return lambda: slide(off), (off,)
 
 
 def sync(device):

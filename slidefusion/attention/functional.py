@@ -225,7 +225,7 @@ def slide_attention(
     `scale` defaults to D ** -0.5. Differentiable in q, k, v and offsets.
     """
     kernel = _check_slide_args(q, k, v, kernel_size, offsets, scale)
-    return backends.slide(q, k, v, kernel, offsets, scale)  # CPU: tiled PyTorch; CUDA: Triton
+    return backends.slide(q, k, v, kernel, offsets, scale)  # CPU: compiled kernel (else tiled PyTorch); CUDA: Triton
 
 
 def neighborhood_attention(

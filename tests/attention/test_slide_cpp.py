@@ -1,0 +1,153 @@
+"""The compiled CPU kernel (`backends/cpp.py`) against the reference, and its fallback.
+
+The extension is built once per process (the first test pays ~30 s on a cold cache; later runs
+load it from torch's extensions folder) and shared by every test through `cpp.extension()`.
+"""
+
+import pytest
+import torch
+
+from slidefusion.attention import backends
+from slidefusion.attention.backends import cpp
+from slidefusion.attention.backends.cpp import slide_attention_cpp
+from slidefusion.attention.reference import slide_attention_reference
+from slidefusion.errors import UserError
+
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if cpp.extension() is None:
+        pytest.skip(f"the C++ extension does not build here: {cpp._state['error']}")
+
+
+def qkv(grid, batch=2, heads=3, head_dim=5, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, *grid, heads, head_dim, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def random_offsets(q, slots, reach=1.4, seed=1):
+    """Offsets in (-reach, reach), kept 0.05 away from integers, where interpolation has kinks."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(*q.shape[:5], slots, 3, generator=g, dtype=q.dtype) * 2 - 1) * reach
+    frac = x - x.floor()
+    return torch.where(frac < 0.05, x + 0.05, torch.where(frac > 0.95, x - 0.05, x))
+
+
+def grads(fn, q, k, v, off, seed=2):
+    """Output and gradients of sum(fn(...) * g) for a fixed random g: (out, dq, dk, dv[, doff])."""
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    if off is not None:
+        inputs.append(off.detach().requires_grad_())
+    out = fn(*inputs[:3], inputs[3] if off is not None else None)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return (out, *torch.autograd.grad((out * g).sum(), inputs))
+
+
+CASES = [
+    # grid, kernel, reach of the offsets
+    ((3, 5, 7), (3, 3, 5), 1.4),
+    ((4, 9, 6), (1, 5, 3), 1.4),  # window 1 on T
+    ((5, 6, 7), (3, 1, 3), 1.4),  # window 1 on H
+    ((3, 5, 7), (3, 5, 7), 1.4),  # window == grid: dense attention
+    ((2, 1, 5), (1, 1, 3), 1.4),  # an axis of length 1: one corner there
+    ((1, 1, 1), (1, 1, 1), 0.6),  # a single token
+    ((4, 7, 9), (3, 3, 3), 4.0),  # far-flung points: the per-corner path instead of the box
+]
+
+
+@pytest.mark.parametrize("grid, kernel, reach", CASES)
+@pytest.mark.parametrize("mode", ["none", "sample", "shift"])
+def test_cpp_matches_reference_forward_and_backward(grid, kernel, reach, mode):
+    q, k, v = qkv(grid)
+    K = kernel[0] * kernel[1] * kernel[2]
+    off = None if mode == "none" else random_offsets(q, K if mode == "sample" else 1, reach)
+    fast = grads(lambda *a: slide_attention_cpp(*a[:3], kernel, a[3], 0.37), q, k, v, off)
+    ref = grads(lambda *a: slide_attention_reference(*a[:3], kernel, a[3], 0.37), q, k, v, off)
+    assert fast[0].shape == q.shape and fast[0].dtype == q.dtype
+    for name, a, b in zip(("out", "dq", "dk", "dv", "doffsets"), fast, ref):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_zero_offsets_match_reference_gradients_at_integer_points():
+    # Zero-initialised offset networks start here: every point sits on a token, including the
+    # grid's first and last positions, where the clamp's gradient rule decides.
+    q, k, v = qkv((3, 4, 5))
+    off = torch.zeros(*q.shape[:5], 27, 3, dtype=q.dtype)
+    fast = grads(lambda *a: slide_attention_cpp(*a[:3], (3, 3, 3), a[3]), q, k, v, off)
+    ref = grads(lambda *a: slide_attention_reference(*a[:3], (3, 3, 3), a[3]), q, k, v, off)
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("mode", ["none", "sample", "shift"])
+def test_cpp_gradcheck(mode):
+    q, k, v = (x.requires_grad_() for x in qkv((2, 3, 4), batch=1, heads=2, head_dim=3))
+    off = None if mode == "none" else random_offsets(q, 9 if mode == "sample" else 1).requires_grad_()
+    inputs = (q, k, v) if off is None else (q, k, v, off)
+
+    def op(*args):
+        return slide_attention_cpp(*args[:3], (1, 3, 3), args[3] if len(args) > 3 else None)
+
+    assert torch.autograd.gradcheck(op, inputs, atol=1e-7)
+
+
+def test_threads_write_separate_gradient_buffers():
+    # dk and dv are scatter-adds: with 2 threads each accumulates into its own buffer.
+    q, k, v = qkv((3, 6, 7))
+    off = random_offsets(q, 27)
+    fn = lambda *a: slide_attention_cpp(*a[:3], (3, 3, 3), a[3])  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = grads(fn, q, k, v, off)
+    finally:
+        torch.set_num_threads(threads)
+    ref = grads(lambda *a: slide_attention_reference(*a[:3], (3, 3, 3), a[3]), q, k, v, off)
+    for a, b in zip(two, ref):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_low_precision_computes_in_float32_and_keeps_the_dtype(dtype, tol):
+    q, k, v = qkv((3, 5, 7), dtype=dtype)
+    off = random_offsets(q, 27)
+    out = slide_attention_cpp(q, k, v, (3, 3, 3), off)
+    assert out.dtype == dtype
+    ref = slide_attention_reference(*(x.double() for x in (q, k, v)), (3, 3, 3), off.double())
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_auto_dispatch_uses_the_compiled_kernel_on_cpu():
+    q, k, v = qkv((3, 5, 7))
+    assert backends.choose(q) == "cpp"
+    torch.testing.assert_close(
+        backends.slide(q, k, v, (3, 3, 3)), slide_attention_reference(q, k, v, (3, 3, 3)), rtol=TOL, atol=TOL
+    )
+
+
+def test_non_finite_offsets_are_refused():
+    q, k, v = qkv((3, 5, 7))
+    off = random_offsets(q, 1)
+    off[0, 0, 0, 0, 0, 0, 1] = float("nan")
+    with pytest.raises(UserError, match="offsets must be finite"):
+        slide_attention_cpp(q, k, v, (3, 3, 3), off)
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    def broken_build():
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(cpp, "_state", {"module": None, "error": None})
+    monkeypatch.setattr(cpp, "build", broken_build)
+    q, k, v = qkv((3, 5, 7))
+    off = random_offsets(q, 27)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler found.*pure-PyTorch"):
+        out = backends.slide(q, k, v, (3, 3, 3), off)
+    torch.testing.assert_close(out, slide_attention_reference(q, k, v, (3, 3, 3), off), rtol=TOL, atol=TOL)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        backends.slide(q, k, v, (3, 3, 3), off)

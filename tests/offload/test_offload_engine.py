@@ -119,14 +119,19 @@ def test_clipped_training_equals_clip_grad_norm_then_adamw(delays):
 def test_bf16_compute_tracks_a_bf16_autocast_resident_run():
     model = MODELS["dit3d"]()
     reference = copy.deepcopy(model)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine = _engine(model, compute_dtype=torch.bfloat16)
     losses = _offloaded("dit3d", engine, 8)
     expected, _ = _resident("dit3d", reference, 8, autocast=True)
     torch.testing.assert_close(losses, expected, rtol=3e-2, atol=0)
+    # bf16 rounding flips the sign of a few near-zero Adam updates, so single elements may part by
+    # up to 2 * steps * lr; in aggregate the two runs must move together, far closer than they moved.
     weights = engine.model_state_dict()
+    moved = sum((value - initial[name]).abs().sum().item() for name, value in reference.state_dict().items())
+    apart = sum((weights[name] - value).abs().sum().item() for name, value in reference.state_dict().items())
+    assert apart <= 0.05 * moved, (apart, moved)  # measured: about 0.01
     for name, value in reference.state_dict().items():
-        drift = (weights[name] - value).abs().max().item()
-        assert drift <= 8 * LR + 2e-2 * value.abs().max().item(), name  # a few bf16-noise steps at most
+        assert (weights[name] - value).abs().max().item() <= 2 * 8 * LR + 2e-2 * value.abs().max().item(), name
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])

@@ -23,7 +23,8 @@ def test_torchrun_generate_equals_one_process(tmp_path):
            "-m", "slidefusion", *ARGS, "--out", str(tmp_path / "p.gif"), "--save-latents", str(tmp_path / "p.safetensors"),
            "--parallel", "scalefusion-inter", "--slices", "2", "--trace", str(tmp_path / "trace.json"), "--timeout", "60"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
+    # torchrun's own summary buries the rank's error: show the lines that name it.
+    assert result.returncode == 0, "\n".join(l for l in result.stderr.splitlines() if "rror" in l or "terminate" in l)
     assert "exposed communication" in result.stdout
     single, parallel = (load_file(tmp_path / f"{k}.safetensors")["latents"] for k in "sp")
     assert (single - parallel).abs().max() <= 1e-5

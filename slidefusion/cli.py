@@ -62,9 +62,8 @@ def _pipeline(args, checkpoint):
 
 
 def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
-    from safetensors.torch import save_file
-
     from slidefusion.data.video_io import check_video_path, write_video
+    from slidefusion.pipeline import save_latents
 
     for out in outs:  # a bad file name must fail before minutes of sampling, not after
         check_video_path(out)
@@ -72,13 +71,8 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
     pipe = _pipeline(args, checkpoint)
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet)
-    if getattr(args, "save_latents", None):
-        path = Path(args.save_latents)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"latents": latents.cpu().contiguous()}, tmp)
-        tmp.replace(path)
-        print(f"wrote {path}")
+    if getattr(args, "save_latents", None):  # demo has no such option
+        print(f"wrote {save_latents(args.save_latents, latents)}")
     video = pipe.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
     for out in outs:
         write_video(out, video, fps=pipe.config.data.fps)

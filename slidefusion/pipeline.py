@@ -18,6 +18,18 @@ from slidefusion.vae import Autoencoder, build_autoencoder
 DEFAULT_PROMPT = "a red circle moving right quickly on a black background"
 
 
+def save_latents(path: str | Path, latents: Tensor) -> Path:
+    """Write final latents as safetensors under the key `latents`, atomically (temp + rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
+    tmp.replace(path)
+    return path
+
+
 def bundled_checkpoint() -> Path:
     """The small moving-shapes model that ships inside the package."""
     return Path(str(resources.files("slidefusion") / "assets" / "shapes-small"))

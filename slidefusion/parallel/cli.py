@@ -26,7 +26,7 @@ def add_parallel_options(generate: argparse.ArgumentParser) -> None:
 def generate_parallel(args, build_pipeline) -> None:
     """The `generate` command across ranks: every rank samples; rank 0 writes the outputs."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
+    from slidefusion.pipeline import save_latents
 
     from slidefusion.data.video_io import check_video_path, write_video
     from slidefusion.parallel.api import parallel_latents
@@ -50,12 +50,7 @@ def generate_parallel(args, build_pipeline) -> None:
     if rank == 0:
         _report(tracers, args.trace)
         if args.save_latents:
-            path = Path(args.save_latents)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            save_file({"latents": latents.cpu().contiguous()}, tmp)
-            tmp.replace(path)
-            print(f"wrote {path}")
+            print(f"wrote {save_latents(args.save_latents, latents)}")
         video = pipe.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
         write_video(out, video, fps=pipe.config.data.fps)
         print(f"wrote {out}")

@@ -19,14 +19,9 @@ from slidefusion.attention.reference import (
     window_segments,
 )
 from slidefusion.errors import UserError
+from attention_inputs import qkv
 
 TOL = 1e-10
-
-
-def qkv(grid, batch=2, heads=3, head_dim=5, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (batch, *grid, heads, head_dim)
-    return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(3)]
 
 
 # ---------------------------------------------------------------------------------------------

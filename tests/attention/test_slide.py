@@ -19,21 +19,9 @@ from slidefusion.attention.reference import (
     window_starts,
 )
 from slidefusion.errors import UserError
+from attention_inputs import qkv, random_offsets
 
 TOL = 1e-10
-
-
-def qkv(grid, batch=2, heads=3, head_dim=5, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, *grid, heads, head_dim, generator=g, dtype=dtype) for _ in range(3)]
-
-
-def random_offsets(q, slots, reach=1.4, seed=1):
-    """Offsets in (-reach, reach), kept 0.05 away from integers, where interpolation has kinks."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.rand(*q.shape[:5], slots, 3, generator=g, dtype=q.dtype) * 2 - 1) * reach
-    frac = x - x.floor()
-    return torch.where(frac < 0.05, x + 0.05, torch.where(frac > 0.95, x - 0.05, x))
 
 
 # ---------------------------------------------------------------------------------------------

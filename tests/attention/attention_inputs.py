@@ -1,0 +1,26 @@
+"""Inputs shared by the attention tests: random q/k/v, offsets away from kinks, gradients."""
+
+import torch
+
+
+def qkv(grid, batch=2, heads=3, head_dim=5, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, *grid, heads, head_dim, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def random_offsets(q, slots, reach=1.4, seed=1):
+    """Offsets in (-reach, reach), kept 0.05 away from integers, where interpolation has kinks."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(*q.shape[:5], slots, 3, generator=g, dtype=q.dtype) * 2 - 1) * reach
+    frac = x - x.floor()
+    return torch.where(frac < 0.05, x + 0.05, torch.where(frac > 0.95, x - 0.05, x))
+
+
+def grads(fn, q, k, v, off, seed=2):
+    """Output and gradients of sum(fn(...) * g) for a fixed random g: (out, dq, dk, dv[, doff])."""
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    if off is not None:
+        inputs.append(off.detach().requires_grad_())
+    out = fn(*inputs[:3], inputs[3] if off is not None else None)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return (out, *torch.autograd.grad((out * g).sum(), inputs))

@@ -15,23 +15,8 @@ import time
 import torch
 
 from slidefusion.data.shapes import COLORS, DIRECTIONS
+from slidefusion.eval import centroid_track, dominant_colour
 from slidefusion.pipeline import VideoPipeline
-
-
-def centroid_track(video: torch.Tensor, rgb) -> torch.Tensor:
-    """(T, 2) centre (y, x) of the pixels within 90 of colour `rgb`, for a video (3, T, H, W)."""
-    pixels = (video.permute(1, 2, 3, 0) + 1) * 127.5  # (T, H, W, 3)
-    near = ((pixels - torch.tensor(rgb, dtype=torch.float32)).norm(dim=-1) < 90).float()  # (T, H, W)
-    ys, xs = torch.meshgrid(torch.arange(video.shape[2]), torch.arange(video.shape[3]), indexing="ij")
-    weight = near.sum(dim=(1, 2)).clamp(min=1)
-    return torch.stack([(near * ys).sum(dim=(1, 2)) / weight, (near * xs).sum(dim=(1, 2)) / weight], dim=1)
-
-
-def dominant_colour(video: torch.Tensor) -> str:
-    pixels = ((video.permute(1, 2, 3, 0) + 1) * 127.5).reshape(-1, 3)
-    distance = torch.stack([(pixels - torch.tensor(rgb, dtype=torch.float32)).norm(dim=-1) for rgb in COLORS.values()])
-    nearest = distance.argmin(dim=0)[distance.min(dim=0).values < 90]
-    return list(COLORS)[torch.bincount(nearest, minlength=len(COLORS)).argmax()]
 
 
 def main() -> None:

@@ -73,7 +73,7 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet)
     if getattr(args, "save_latents", None):  # demo has no such option
         print(f"wrote {save_latents(args.save_latents, latents)}")
-    video = pipe.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
+    video = pipe.decode(latents)
     for out in outs:
         write_video(out, video, fps=pipe.config.data.fps)
         print(f"wrote {out}")

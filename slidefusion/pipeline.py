@@ -68,15 +68,18 @@ class VideoPipeline:
 
     @classmethod
     def assemble(cls, model: VideoDiT, config: TrainConfig, device: torch.device) -> "VideoPipeline":
-        encoder = build_text_encoder(config.text_encoder, config.text_max_length)
-        if encoder.dim != config.model.text_dim:
-            raise UserError(f"model.text_dim={config.model.text_dim} must equal the text encoder's width {encoder.dim}")
+        encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         return cls(model.eval(), encoder, build_autoencoder(config.autoencoder).to(device), config, device)
 
     @torch.no_grad()
     def __call__(self, prompt: str, **options) -> Tensor:
         """A video (3, T, H, W) in [-1, 1]; see `latents` for the options."""
-        return self.autoencoder.decode(self.latents(prompt, **options))[0].clamp(-1, 1).cpu()
+        return self.decode(self.latents(prompt, **options))
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents (1, C, T', H', W') -> the video (3, T, H, W) in [-1, 1], on the CPU."""
+        return self.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,

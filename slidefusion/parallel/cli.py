@@ -51,7 +51,7 @@ def generate_parallel(args, build_pipeline) -> None:
         _report(tracers, args.trace)
         if args.save_latents:
             print(f"wrote {save_latents(args.save_latents, latents)}")
-        video = pipe.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
+        video = pipe.decode(latents)
         write_video(out, video, fps=pipe.config.data.fps)
         print(f"wrote {out}")
         print(f"{args.prompt!r}: {video.shape[1]} frames on {dist.get_world_size()} ranks ({args.parallel}) "

@@ -126,10 +126,13 @@ def _cached_encoder(name: str, max_length: int) -> TextEncoder:
     return HFTextEncoder(name, max_length)
 
 
-def build_text_encoder(name: str = "minilm", max_length: int = 32) -> TextEncoder:
+def build_text_encoder(name: str = "minilm", max_length: int = 32, width: int | None = None) -> TextEncoder:
     """The text encoder called `name` ('minilm' or a local / cached transformers model).
 
+    `width`, when given, is the model's `text_dim`, which the encoder's state width must equal.
     The instance is shared within the process: moving it to a device moves it for every caller.
     """
     check(isinstance(name, str) and name.strip() != "", f"text_encoder={name!r} is invalid; {_VALID_NAMES}")
-    return _cached_encoder(name.strip(), max_length)
+    encoder = _cached_encoder(name.strip(), max_length)
+    check(width is None or width == encoder.dim, f"model.text_dim={width} must equal the text encoder's width {encoder.dim}")
+    return encoder

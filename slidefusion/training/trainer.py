@@ -112,9 +112,7 @@ class Trainer:
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
         if latent[0] != config.model.in_channels:
             raise UserError(f"model.in_channels={config.model.in_channels} must equal the autoencoder's latent channels {latent[0]}")
-        encoder = build_text_encoder(config.text_encoder, config.text_max_length)
-        if encoder.dim != config.model.text_dim:
-            raise UserError(f"model.text_dim={config.model.text_dim} must equal the text encoder's width {encoder.dim}")
+        encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         self.captions = CaptionCache(encoder, self.run_dir / "captions.safetensors")
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         offload = config.offload.enabled  # the engine places the weights itself: build them on the host

@@ -116,6 +116,7 @@ def _sampling_options(parser: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from slidefusion.parallel.cli import add_parallel_options, add_simulate_parser
+    from slidefusion.eval.cli import add_evaluate_parser, add_experiment_parser
     from slidefusion.offload.cli import add_offload_options, add_plan_parser
     from slidefusion.pipeline import DEFAULT_PROMPT
 
@@ -156,6 +157,8 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    add_evaluate_parser(sub)
+    add_experiment_parser(sub)
     return root
 
 

@@ -39,13 +39,16 @@ def guided_velocity(model, x: Tensor, t: Tensor, cond: tuple[Tensor, Tensor], un
 @torch.no_grad()
 def sample(model, shape: tuple[int, ...], cond: tuple[Tensor, Tensor], uncond: tuple[Tensor, Tensor] | None = None,
            *, steps: int = 30, guidance: float = 4.0, seed: int = 0, shift: float = 1.0,
-           device: str | torch.device = "cpu", progress: bool = True) -> Tensor:
+           device: str | torch.device = "cpu", progress: bool = True, noise: Tensor | None = None) -> Tensor:
     """Integrate dx/dt = v from pure noise to latents of `shape` (B, C, T, H, W).
 
     `cond` and `uncond` are (states (B, L, D), mask (B, L)) text encodings; the initial noise is
     drawn on the CPU from `seed`, so the same seed gives the same video bit for bit on a device.
+    `noise` of `shape` replaces that draw (a batch whose videos each keep their own seed).
     """
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    if noise is None:
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    check(tuple(noise.shape) == tuple(shape), f"noise has shape {tuple(noise.shape)}; expected {tuple(shape)}")
     x = noise.to(device)
     cond = tuple(c.to(device) for c in cond)
     uncond = None if uncond is None else tuple(u.to(device) for u in uncond)

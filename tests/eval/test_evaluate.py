@@ -1,0 +1,106 @@
+"""`slidefusion evaluate`, the batched sampler it uses, and the attention-ablation smoke run."""
+
+import json
+
+import pytest
+import torch
+
+from slidefusion.cli import main
+from slidefusion.data.shapes import MovingShapes
+from slidefusion.errors import UserError
+from slidefusion.eval.ablation import BUDGETS, VARIANTS, run_ablation
+from slidefusion.eval.evaluate import PROMPT_SEED, evaluate_ground_truth, evaluate_videos, held_out_prompts, read_prompts
+from slidefusion.pipeline import VideoPipeline
+
+
+def test_batched_sampling_equals_one_video_at_a_time():
+    pipe = VideoPipeline.from_preset("dit3d-tiny", seed=3)
+    prompts = ["a red circle moving left slowly", "a blue square moving up quickly on a gray background"]
+    batch = pipe.latents_batch(prompts, [5, 9], frames=4, height=8, width=8, steps=3)
+    for i, (prompt, seed) in enumerate(zip(prompts, [5, 9])):
+        alone = pipe.latents(prompt, frames=4, height=8, width=8, steps=3, seed=seed, progress=False)
+        torch.testing.assert_close(batch[i:i + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_ground_truth_scores_high_and_mismatched_prompts_score_low():
+    _, summary = evaluate_ground_truth(12, frames=8, height=32, width=32, progress=False)
+    assert summary["aligned"] >= 0.9 and summary["videos"] == 12
+    assert summary["temporal_flickering"] > 0.95 and summary["warping_error"] < 0.05
+    # The same clips scored against the next clip's caption: colours mostly differ, alignment falls.
+    data = MovingShapes(12, frames=8, height=32, width=32, seed=PROMPT_SEED, max_objects=1)
+    clips, prompts = [data[i]["video"] for i in range(12)], [data[i]["caption"] for i in range(12)]
+    _, rotated = evaluate_videos(clips, prompts[1:] + prompts[:1])
+    assert rotated["aligned"] <= 0.3
+
+
+def test_held_out_prompts_are_deterministic_and_parse():
+    assert held_out_prompts(5) == held_out_prompts(5)
+    assert len(set(held_out_prompts(20))) > 10
+
+
+def test_read_prompts_cycles_and_rejects_bad_files(tmp_path):
+    good = tmp_path / "prompts.txt"
+    good.write_text("# comment\na red circle moving left slowly\n\nan orange square moving up quickly\n")
+    assert read_prompts(good, 3) == ["a red circle moving left slowly", "an orange square moving up quickly",
+                                     "a red circle moving left slowly"]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a purple elephant dancing\n")
+    with pytest.raises(UserError, match="cannot parse|unknown"):
+        read_prompts(bad, 1)
+    with pytest.raises(UserError, match="no such file"):
+        read_prompts(tmp_path / "missing.txt", 1)
+
+
+def test_evaluate_cli_ground_truth_and_checkpoint(tmp_path, capsys):
+    out = tmp_path / "gt.json"
+    assert main(["evaluate", "--ground-truth", "--num", "4", "--json", str(out), "--quiet"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["summary"]["videos"] == 4 and len(payload["videos"]) == 4
+    assert "text alignment" in capsys.readouterr().out
+
+    out = tmp_path / "model.json"
+    assert main(["evaluate", "--checkpoint", str(_bundled()), "--num", "2", "--steps", "2", "--json", str(out),
+                 "--quiet"]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["videos"] == 2 and 0 <= summary["aligned"] <= 1 and summary["sampling_s_per_video"] > 0
+
+
+def test_evaluate_cli_user_errors_exit_2(tmp_path, capsys):
+    assert main(["evaluate", "--num", "2"]) == 2
+    assert "--checkpoint" in capsys.readouterr().err
+    assert main(["evaluate", "--ground-truth", "--checkpoint", "x"]) == 2
+    assert main(["evaluate", "--checkpoint", str(_bundled()), "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_quick_ablation_runs_every_stage_and_resumes(tmp_path):
+    logs = []
+    results = run_ablation(BUDGETS["quick"], tmp_path, log=logs.append)
+    for name in ("results.md", "results.json", "losses.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    for length in ("short", "long"):
+        rows = results["table"][length]
+        assert set(VARIANTS) | {"ground truth", "pretrained (dense, short clips)"} == set(rows)
+        assert rows["ground truth"]["aligned"] == 1.0
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {variant} |" in table for variant in VARIANTS)
+    # Every variant started from the pretrained dense weights; only slide adds (zero-initialised) offsets.
+    assert any("slide: initialised" in line and "offset" in line for line in logs)
+    assert any("neighborhood: initialised" in line and "new: none" in line for line in logs)
+
+    again = []
+    rerun = run_ablation(BUDGETS["quick"], tmp_path, log=again.append)
+    assert sum("already trained" in line for line in again) == len(VARIANTS) + 1  # + the pretraining
+    assert rerun["table"]["long"]["slide"] == results["table"]["long"]["slide"]  # videos re-scored, not resampled
+
+
+def test_ablation_rejects_an_unknown_variant(tmp_path):
+    with pytest.raises(UserError, match="valid: dense"):
+        run_ablation(BUDGETS["quick"], tmp_path, variants=["sparse"])
+
+
+def _bundled():
+    from slidefusion.pipeline import bundled_checkpoint
+
+    return bundled_checkpoint()
+

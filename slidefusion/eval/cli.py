@@ -35,11 +35,12 @@ def cmd_evaluate(args) -> None:
         from slidefusion.pipeline import VideoPipeline
 
         if not args.checkpoint:
-            raise UserError("--checkpoint DIR is required (or --ground-truth to score dataset clips)")
+            raise UserError("--checkpoint DIR|bundled is required (or --ground-truth to score dataset clips)")
         prompts = read_prompts(args.prompts, args.num) if args.prompts else held_out_prompts(args.num, args.max_objects)
         settings = SamplingSettings(frames=args.frames, steps=args.steps, guidance=args.guidance, seed=args.seed,
                                     batch_size=args.batch_size)
-        pipeline = VideoPipeline.from_checkpoint(args.checkpoint, device=args.device)
+        bundled = args.checkpoint == "bundled"
+        pipeline = VideoPipeline.from_checkpoint(None if bundled else args.checkpoint, device=args.device)
         name = str(args.checkpoint)
         rows, summary = evaluate_pipeline(pipeline, prompts, settings, progress=not args.quiet)
         source = {"checkpoint": str(args.checkpoint), "sampling": settings}
@@ -61,7 +62,7 @@ def add_evaluate_parser(sub) -> None:
     evaluate = sub.add_parser("evaluate", help="score generated videos (or dataset clips) against their prompts",
                               description="Text alignment and subject consistency from the moving-shapes detector, "
                                           "plus temporal flickering, motion smoothness and warping error.")
-    evaluate.add_argument("--checkpoint", help="checkpoint folder or run folder (its latest)")
+    evaluate.add_argument("--checkpoint", help="checkpoint folder, run folder (its latest) or 'bundled' (the demo model)")
     evaluate.add_argument("--ground-truth", action="store_true", help="score dataset clips against their own captions")
     evaluate.add_argument("--prompts", metavar="FILE", help="one moving-shapes prompt per line (default: held-out captions)")
     evaluate.add_argument("--num", type=_positive_int, default=16, help="videos to score (default 16)")

@@ -24,7 +24,7 @@ from slidefusion.eval.video_metrics import video_metrics
 
 PROMPT_SEED = 10_000  # held-out prompts: the training data uses small seeds (configs use 0)
 METRICS = ("temporal_flickering", "motion_smoothness", "warping_error")
-# Columns of the printed table: (summary key, header, format).
+# Columns of the printed table: (summary key, header, format); means carry their standard error.
 COLUMNS = (
     ("aligned", "text alignment", "{:.3f}"),
     ("color_ok", "colour", "{:.2f}"),
@@ -83,9 +83,10 @@ def score_video(video, prompt: str) -> dict:
 def summarize_rows(rows: list[dict]) -> dict[str, float]:
     """Rates of the detector's verdicts and means of the video metrics over `rows`."""
     summary = dict(summarize(rows))
-    for name in METRICS:
+    for name in ("consistency", *METRICS):
         values = [row[name] for row in rows if math.isfinite(row[name])]
         summary[name] = float(np.mean(values)) if values else float("nan")
+        summary[f"{name}_se"] = float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
     summary["videos"] = int(summary.pop("count"))
     return summary
 
@@ -135,9 +136,17 @@ def format_table(summaries: dict[str, dict]) -> str:
     header = "| | " + " | ".join(title for _, title, _ in COLUMNS) + " |"
     lines = [header, "|" + "---|" * (len(COLUMNS) + 1)]
     for name, summary in summaries.items():
-        cells = [fmt.format(summary[key]) if key in summary else "-" for key, _, fmt in COLUMNS]
+        cells = [_cell(summary, key, fmt) for key, _, fmt in COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(summary: dict, key: str, fmt: str) -> str:
+    """The value, with its standard error over videos when the summary has one."""
+    if key not in summary:
+        return "-"
+    se = summary.get(f"{key}_se")
+    return fmt.format(summary[key]) + ("" if se is None or not math.isfinite(se) else " ± " + fmt.format(se))
 
 
 def write_json(path: str | Path, payload: dict) -> Path:

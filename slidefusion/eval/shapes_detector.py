@@ -1,72 +1,93 @@
 """A detector for moving-shapes videos: does a (generated) video show what its prompt asks for?
 
 `detect(video, color)` finds the object of one palette colour in every frame and measures it;
-`score(video, prompt)` checks each object of a prompt (see `slidefusion.data.shapes`) against the
-video; `summarize` turns many scores into rates. Everything below is plain numpy, a few ms a clip.
+`score(video, prompt)` checks each object of a prompt (the `slidefusion.data.shapes` caption
+grammar) against the video; `summarize` turns many scores into rates. Plain numpy; a 32x32 clip
+costs about 1-2 ms of CPU per frame.
 
 Units and conventions are those of `slidefusion.data.shapes`: RGB in 0..255, positions in pixels
-with pixel centres at (i + 0.5), (y, x) order, y growing downwards, sizes as circumradius in pixels.
+with pixel centres at (i + 0.5), (y, x) order, y growing downwards, radius as in `radius_px`
+(circumradius; half the side for a square). Steps, with the constants below in CAPITALS:
 
-1. Background. Objects cover a small part of the frame, so the background of frame t is the
-   per-channel median of its pixels. Working per frame tolerates flicker and off-palette tints.
+1. Background. Objects cover a small part of a frame, so the background of frame t is the
+   per-channel median of its pixels; per frame, to tolerate flicker and off-palette tints.
 
-2. Colour segmentation (alpha matting against the background, in RGB). The renderer blends an
-   object over the background linearly in RGB, pixel = bg + alpha * (colour - bg), so every pixel is
-   explained by each palette colour k as the nearest point of the segment bg -> COLORS[k]: alpha_k
-   is the clipped projection, residual_k the RGB distance to that point. A pixel is labelled with
-   the colour of least residual when that residual is <= RESIDUAL_MAX and alpha >= ALPHA_MIN;
-   otherwise it is background. RGB is the right space here, not a perceptual one, because blending
-   (antialiasing, blur, codec smoothing) is linear in it, so edge pixels keep their true colour.
-   The soft mask of colour c holds, at pixels labelled c, the coverage alpha measured against the
-   object's actual colour: the median of the video's interior pixels (palette alpha >= 0.6) of
-   colour c. A generated object a little darker than its palette colour thus still has coverage ~1.
+2. Colour labels (alpha matting against the background, in RGB). The renderer blends an object over
+   the background linearly in RGB, pixel = bg + alpha (colour - bg); antialiasing, blur and codecs
+   mix linearly too. So for each palette colour k a pixel is explained by the nearest point of the
+   segment bg -> COLORS[k]: alpha_k the clipped projection, residual_k the RGB distance to that
+   point. A pixel gets the label of least residual if that residual <= RESIDUAL_MAX and its alpha
+   >= ALPHA_MIN, else it is background. Edge pixels, half object and half background, keep their
+   true label this way, where a plain nearest-colour rule would call them background or another
+   colour. (Blends are straight lines in RGB and its linear transforms such as YCbCr, not in a
+   perceptual space such as Lab, so one would not help here.)
 
-3. Localisation, per frame. The soft mask is summed over a box about the smallest object's size;
-   its peak seeds a square window of half-size ~1.5 x the largest radius (SIZE_RANGE), which is
-   re-centred once on the coverage centroid. Stray pixels of the colour outside the window are
-   ignored. Inside it: area = sum of coverage (pixels^2), centroid = coverage-weighted mean. The
-   object is present when area >= MIN_AREA_FRACTION x the area of the smallest triangle.
+3. Soft mask (coverage) of colour c. The object's actual colour is the median of the video's
+   interior pixels of label c (palette alpha >= INTERIOR_ALPHA), so an object a little off its
+   palette colour still reaches coverage ~1. Coverage is the projection onto bg -> actual colour
+   under an inner product that weights chroma by CHROMA_WEIGHT against luma (BT.601 YCbCr): codecs
+   (yuv420p) and resizing keep luma sharper than chroma; for exact blends any weighting gives the
+   same coverage. It is kept at pixels labelled c and at background-labelled pixels next to them
+   (8-neighbourhood: edges a codec pushed off the colour); it is 0 elsewhere.
 
-4. Shape, per present frame, by analysis-by-synthesis with the renderer itself
-   (`shapes._coverage`). For each shape the radius that gives the measured area is solved in closed
-   form (area of a circle pi r^2, square 4 r^2, diamond 2 r^2, triangle 3 sqrt(3)/4 r^2), then the
-   radius (x RADIUS_SCALES) and the centre (measured centroid + CENTRE_OFFSETS on each axis) are
-   refined on a small grid. The frame's shape is the one whose best rendered coverage has the least
-   squared error to the observed soft mask in the window, divided by the area. The track's shape is
-   the majority over present frames (ties: least summed error); its radius the median fitted radius
-   of the frames voting for that shape.
+4. Localisation, per frame. The soft mask summed over a box of about the smallest object's size
+   peaks on the object; a square window of half-size ceil(1.5 x the largest radius of SIZE_RANGE)
+   + 1 is centred there and re-centred twice on the coverage centroid. Stray pixels of the colour
+   outside the window are ignored. In the window: area = sum of coverage (pixels^2), centroid =
+   coverage-weighted mean. The object is present when area >= MIN_AREA_FRACTION x the area of the
+   smallest triangle the generator draws (~2.6 px^2 at 32x32).
 
-5. Motion. For each of the 8 directions x 2 speeds, the model is the closed form of
-   `shapes.object_centers`: each axis travels start + d * speed * t and is folded by
-   `shapes._reflect` into [r, side - r]. The start is searched on a 0.05 px grid over [r, side - r]
-   (the object moves in the named direction at frame 0, as the generator draws it) and r over the
-   fitted radius x MOTION_RADIUS_SCALES; the fit minimises the mean squared centroid error over the
-   present frames (both axes separate, so this is exact). The best candidate gives direction and
-   speed; `motion_residual` is its root mean square error in pixels. Direction and speed are None
-   ("no consistent motion") when the object is present in fewer than half of the frames (or fewer
-   than MIN_MOTION_FRAMES) or the residual exceeds max(1 px, MOTION_TOLERANCE x the shorter side).
+5. Shape, per present frame, by analysis-by-synthesis with the renderer itself (`shapes._coverage`).
+   For each shape the radius giving the measured area is solved in closed form (area per r^2:
+   circle pi, square 4, diamond 2, triangle 3 sqrt(3) / 4), then radius (x RADIUS_SCALES), centre
+   (centroid + CENTRE_OFFSETS on each axis) and blur (Gaussian of BLUR_SIGMAS px, for soft
+   generated blobs) are searched on a grid. The frame's shape is the one whose best synthetic
+   coverage has the least squared error to the window's soft mask (divided by the area). A frame
+   is `occluded` when other palette colours' labelled alpha within its fitted radius + 1 px of the
+   centroid exceeds OCCLUSION_FRACTION x its area (another object overlaps or touches it). The
+   track's shape is the majority over present frames that are not occluded (all present frames if
+   every one is; ties: least summed error), its radius the median radius of the frames that voted
+   for it.
 
-6. Consistency (subject consistency), in [0, 1]: the mean of four stabilities of the track,
-   presence     the fraction of frames in which the object is present;
-   size         1 - min(1, std / mean) of the area over present frames;
-   shape        the fraction of present frames whose shape is the track's shape;
-   colour       1 - min(1, s / PALETTE_GAP), s = sqrt of the summed per-channel variance over
-                present frames of the object's mean interior colour, PALETTE_GAP the least RGB
-                distance between two palette colours (~88, yellow to orange).
-   With no present frame every term is 0. Frame order does not matter to it: shuffled frames are
-   caught by the motion fit instead.
+6. Motion. For each of the 8 directions x 2 speeds, the model is the closed form of
+   `shapes.object_centers`: per axis start + d * speed * t, folded by `shapes._reflect` into
+   [r, side - r]. Start and r are fitted to minimise the mean squared centroid error over the
+   present frames that are not occluded (all present frames when fewer than MIN_MOTION_FRAMES or
+   than half of them are clear): r over the track radius x MOTION_RADIUS_SCALES, the start on a
+   grid over [r, side - r] (4 x MOTION_STEP px, then MOTION_STEP px around the best), separately
+   per axis since the squared error splits over axes. Starts stay inside the walls: the object
+   moves in the named direction at frame 0, as the generator draws it, so a reversed clip reads as
+   the opposite direction. The best candidate gives direction and speed; `motion_residual` is its
+   RMS error in pixels. Direction and speed are None ("no consistent motion") when the object is
+   present in fewer than half the frames or fewer than MIN_MOTION_FRAMES, or the residual exceeds
+   `motion_tolerance` = max(1 px, MOTION_TOLERANCE x the shorter side), 1.92 px at 32x32.
 
-7. Scoring a prompt (`score`). Each object of the parsed prompt is detected by its colour;
-   color_ok     present in >= half the frames and its colour dominates its region: within the
-                fitted radius + 1 px of its centroid, over present frames, the coverage labelled
-                with the prompt's colour exceeds that of every other palette colour;
-   shape_ok     the track's shape is the prompt's; direction_ok, speed_ok likewise (speed_ok is
-                None when the prompt leaves the speed out, and is not part of `aligned`);
-   aligned      color_ok and shape_ok and direction_ok.
-   The clip is aligned when every object is; its consistency is the mean over objects.
+7. Consistency (subject consistency) of a track, in [0, 1], is the mean of four stabilities:
+   presence  the fraction of frames in which the object is present;
+   size      1 - min(1, coefficient of variation (std / mean) of the area over present frames);
+   shape     the fraction of present frames whose shape is the track's shape;
+   colour    1 - min(1, s / PALETTE_GAP): s = sqrt of the summed per-channel variance, over present
+             frames, of the object's mean colour (coverage-weighted over pixels of coverage >= 0.5,
+             each un-mixed from the background as bg + (pixel - bg) / coverage); PALETTE_GAP = the
+             least RGB distance between two palette colours (88, yellow to orange).
+   With no present frame all four are 0. The order of frames does not matter to it: shuffled
+   frames are caught by the motion fit instead. Ground truth scores ~0.998.
 
-Limits: objects of one colour are assumed unique (the generator guarantees it); two objects of
-neighbouring colours that overlap blend into colours of neither, so occluded frames measure less.
+8. Scoring a prompt (`score`). Each object of the prompt is detected by its colour:
+   color_ok      present in >= half the frames, and its colour dominates near it: over present
+                 frames, within the frame's fitted radius + 1 px of the centroid, the labelled
+                 alpha of the prompt's colour exceeds that of every other palette colour, leaving
+                 out the colours of the prompt's other objects (they may overlap it);
+   shape_ok      detected shape == prompt's; direction_ok and speed_ok likewise; speed_ok is None
+                 when the prompt leaves the speed out;
+   aligned       color_ok and shape_ok and direction_ok (speed is reported, not required).
+   A clip's checks are the conjunction over its objects; its consistency is the mean over them.
+   The clip's background is the BACKGROUNDS colour nearest the median of step 1 (background_ok
+   when the prompt names one; reported, not part of aligned).
+
+Limits: one object per colour (as the generator draws). An object hidden behind another for most
+frames is absent; a partly hidden one measures a smaller, shifted area in those frames, which the
+occlusion rule keeps out of its shape and motion only while enough frames are clear.
 """
 
 import math
@@ -93,11 +114,13 @@ ALPHA_MIN = 0.15  # weaker blends are background (codec ringing, noise)
 INTERIOR_ALPHA = 0.6  # palette alpha of the pixels that estimate an object's actual colour
 MIN_AREA_FRACTION = 0.3  # present when area >= this x the area of the smallest triangle
 RADIUS_SCALES = np.array([0.85, 0.925, 1.0, 1.075, 1.15])
+BLUR_SIGMAS = (0.0, 0.7, 1.2)  # pixels: templates sharp and blurred, for soft generated blobs
 CENTRE_OFFSETS = np.array([-0.25, 0.0, 0.25])  # pixels, on each axis
 MOTION_RADIUS_SCALES = np.array([0.8, 0.9, 1.0, 1.1, 1.2])
 MOTION_STEP = 0.05  # pixels between start positions tried
 MOTION_TOLERANCE = 0.06  # residual limit as a fraction of the shorter side (and at least 1 px)
 MIN_MOTION_FRAMES = 3
+OCCLUSION_FRACTION = 0.1  # other colours' alpha near the object, as a fraction of its area
 
 # BT.601 RGB -> (Y, Cb, Cr). Coverage is measured with chroma down-weighted: codecs (yuv420p) and
 # resizing keep luma sharper than chroma; for exact blends any weighting gives the same alpha.
@@ -118,13 +141,14 @@ class Track:
     """What `detect` measured for one colour in a video of T frames.
 
     Per frame (length T; NaN / None where the object is absent): `present`, `area` (coverage in
-    pixels^2, also filled in where below the presence threshold), `centroid` (T, 2) as (y, x),
-    `radius` (fitted circumradius), `frame_shapes`, `mean_colour` (T, 3) RGB of interior pixels.
+    pixels^2, also where below the presence threshold), `centroid` (T, 2) as (y, x), `radius`
+    (fitted circumradius), `occluded` (another colour overlaps or touches it), `frame_shapes`,
+    `mean_colour` (T, 3) un-mixed interior RGB.
     Per track: `shape`, `radius_px`, `direction`, `speed` (None when undetermined), `start` (y, x)
-    and `path` (T, 2) of the fitted motion, `motion_residual` (RMS pixels; inf when not fitted),
-    `motion_errors` (RMS per (direction, speed) candidate), `region_colours` (palette colour ->
-    coverage labelled with it within the fitted radius + 1 px of the centroid, summed over present
-    frames), `consistency` and its `consistency_parts`.
+    and `path` (T, 2) of the fitted motion (None when not fitted), `motion_residual` (RMS pixels;
+    inf when not fitted), `motion_errors` (RMS per (direction, speed) candidate),
+    `region_colours` (palette colour -> alpha labelled with it within the fitted radius + 1 px of
+    the centroid, summed over present frames), `consistency` and its `consistency_parts`.
     """
 
     color: str
@@ -132,6 +156,7 @@ class Track:
     area: np.ndarray
     centroid: np.ndarray
     radius: np.ndarray
+    occluded: np.ndarray
     frame_shapes: tuple
     mean_colour: np.ndarray
     shape: str | None
@@ -186,10 +211,11 @@ def segment(video) -> Segmentation:
     offset = frames - background[:, None, None, :]  # (T, H, W, 3)
     axes = _PALETTE[None, :, :] - background[:, None, :]  # (T, K, 3)
     norm2 = np.maximum((axes**2).sum(-1), 1.0)  # (T, K)
-    alpha = np.einsum("thwc,tkc->thwk", offset, axes) / norm2[:, None, None, :]
-    alpha = np.clip(alpha, 0.0, 1.0)  # (T, H, W, K)
-    miss = offset[..., None, :] - alpha[..., None] * axes[:, None, None, :, :]  # (T, H, W, K, 3)
-    residual = np.sqrt((miss**2).sum(-1))
+    along = np.einsum("thwc,tkc->thwk", offset, axes)  # (T, H, W, K): offset . axis
+    alpha = np.clip(along / norm2[:, None, None, :], 0.0, 1.0)
+    # Squared distance to the nearest point bg + alpha * axis, without a (T, H, W, K, 3) array.
+    miss2 = (offset**2).sum(-1)[..., None] - 2 * alpha * along + alpha**2 * norm2[:, None, None, :]
+    residual = np.sqrt(np.maximum(miss2, 0.0))
     best = residual.argmin(-1)
     best_alpha = np.take_along_axis(alpha, best[..., None], -1)[..., 0]
     best_residual = np.take_along_axis(residual, best[..., None], -1)[..., 0]
@@ -272,23 +298,36 @@ def _locate(mask: np.ndarray, short: int):
 # Shape by analysis-by-synthesis
 
 
+def _blur(image: np.ndarray, sigma: float) -> np.ndarray:
+    """Gaussian blur of the last two (square) axes, zero outside; sigma in pixels."""
+    if sigma <= 0:
+        return image
+    index = np.arange(image.shape[-1])
+    kernel = np.exp(-0.5 * ((index[:, None] - index[None, :]) / sigma) ** 2)  # (K, K), symmetric
+    reach = np.arange(-math.ceil(4 * sigma), math.ceil(4 * sigma) + 1)
+    kernel /= np.exp(-0.5 * (reach / sigma) ** 2).sum()  # unit sum away from the edges
+    return kernel @ image @ kernel  # rows, then columns
+
+
 def _fit_shapes(crop, iy, ix, h, area, centroid):
     """Per frame and shape: least normalised squared error (P, S) and its radius (P, S)."""
+    count = len(area)
     off = np.arange(-h, h + 1) + 0.5
-    ys = (iy[:, None] + off[None, :])[:, None, None, None, :, None]  # (P, 1, 1, 1, K, 1)
-    xs = (ix[:, None] + off[None, :])[:, None, None, None, None, :]
-    oy, ox = np.meshgrid(CENTRE_OFFSETS, CENTRE_OFFSETS, indexing="ij")
-    cy = (centroid[:, 0, None] + oy.ravel()[None, :])[:, None, :, None, None, None]  # (P,1,O,1,1,1)
-    cx = (centroid[:, 1, None] + ox.ravel()[None, :])[:, None, :, None, None, None]
+    ys = (iy[:, None] + off[None, :])[:, None, None, :, None]  # (P, 1, 1, K, 1)
+    xs = (ix[:, None] + off[None, :])[:, None, None, None, :]
+    oy, ox = (g.ravel() for g in np.meshgrid(CENTRE_OFFSETS, CENTRE_OFFSETS, indexing="ij"))
+    cy = (centroid[:, 0, None] + oy[None, :])[:, None, :, None, None]  # (P, 1, O, 1, 1)
+    cx = (centroid[:, 1, None] + ox[None, :])[:, None, :, None, None]
     errors, radii = [], []
     for shape in SHAPES:
         r = np.sqrt(area / _AREA_PER_R2[shape])[:, None] * RADIUS_SCALES[None, :]  # (P, R)
-        cover = _coverage(shape, (cy, cx), r[:, :, None, None, None, None], ys, xs, antialias=True)
-        cover = cover[:, :, :, 0]  # (P, R, O, K, K)
-        sse = ((cover - crop[:, None, None]) ** 2).sum((-2, -1)).reshape(len(area), -1)  # (P, R*O)
+        cover = _coverage(shape, (cy, cx), r[:, :, None, None, None], ys, xs, antialias=True)
+        sse = np.stack([  # (P, B, R, O): per blur, radius and centre offset
+            ((_blur(cover, sigma) - crop[:, None, None]) ** 2).sum((-2, -1)) for sigma in BLUR_SIGMAS
+        ], axis=1).reshape(count, -1)
         best = sse.argmin(1)
-        errors.append(sse[np.arange(len(area)), best] / np.maximum(area, 1.0))
-        radii.append(r[np.arange(len(area)), best // len(oy.ravel())])
+        errors.append(sse[np.arange(count), best] / np.maximum(area, 1.0))
+        radii.append(r[np.arange(count), (best // len(oy)) % len(RADIUS_SCALES)])
     return np.stack(errors, 1), np.stack(radii, 1)
 
 
@@ -296,24 +335,34 @@ def _fit_shapes(crop, iy, ix, h, area, centroid):
 # Motion
 
 
-def _axis_fit(obs: np.ndarray, times: np.ndarray, velocity: np.ndarray, r: np.ndarray, side: int):
-    """Least mean squared error of the bounced path along one axis.
+def _axis_errors(obs, times, velocity, start, lo, hi):
+    """Mean squared error (M, R, G) of bounced paths from `start` (M or 1, R, G) along one axis."""
+    free = start[..., None] + velocity[:, None, None, None] * times  # (M, R, G, P)
+    path = np.empty_like(free)
+    for j in range(len(lo)):  # _reflect takes scalar walls
+        path[:, j] = _reflect(free[:, j], float(lo[j]), float(hi[j]))
+    return ((path - obs) ** 2).mean(-1)
 
-    obs, times: (P,); velocity: (M,) pixels per frame; r: (R,). Returns error (M, R) and start (M, R).
+
+def _axis_fit(obs: np.ndarray, times: np.ndarray, velocity: np.ndarray, r: np.ndarray, side: int):
+    """Least mean squared error of the bounced path along one axis, over start positions.
+
+    obs, times: (P,); velocity: (M,) pixels per frame; r: (R,). Starts are tried on a coarse grid
+    over [r, side - r], then on a fine one (MOTION_STEP) around the best coarse start.
+    Returns error (M, R) and start (M, R).
     """
     lo, hi = r, side - r  # (R,)
     span = np.maximum(hi - lo, 0.0)
-    count = max(2, int(math.ceil(max(float(span.max()), 0.0) / MOTION_STEP)) + 1)
-    u = np.linspace(0.0, 1.0, count)
-    start = lo[:, None] + span[:, None] * u[None, :]  # (R, G)
-    free = start[None, :, :, None] + velocity[:, None, None, None] * times  # (M, R, G, P)
-    path = np.empty_like(free)
-    for j in range(len(r)):  # _reflect takes scalar walls
-        path[:, j] = _reflect(free[:, j], float(lo[j]), float(hi[j]))
-    error = ((path - obs) ** 2).mean(-1)  # (M, R, G)
-    best = error.argmin(-1)
-    pick = np.take_along_axis(error, best[..., None], -1)[..., 0]
-    return pick, np.take_along_axis(np.broadcast_to(start, error.shape), best[..., None], -1)[..., 0]
+    coarse = 4 * MOTION_STEP
+    u = np.linspace(0.0, 1.0, max(2, int(math.ceil(float(span.max()) / coarse)) + 1))
+    start = (lo[:, None] + span[:, None] * u[None, :])[None]  # (1, R, G)
+    error = _axis_errors(obs, times, velocity, start, lo, hi)
+    best = np.take_along_axis(np.broadcast_to(start, error.shape), error.argmin(-1)[..., None], -1)
+    fine = np.arange(-4, 5) * MOTION_STEP  # covers the coarse step on both sides
+    start = np.clip(best + fine, lo[None, :, None], hi[None, :, None])  # (M, R, 9)
+    error = _axis_errors(obs, times, velocity, start, lo, hi)
+    pick = error.argmin(-1)[..., None]
+    return np.take_along_axis(error, pick, -1)[..., 0], np.take_along_axis(start, pick, -1)[..., 0]
 
 
 def _fit_motion(centroid, present, radius, height, width):
@@ -362,67 +411,87 @@ def _consistency(present, area, frame_shapes, shape, mean_colour) -> tuple[float
     return float(np.mean(list(parts.values()))), parts
 
 
+def _vote_shape(choice: np.ndarray, errors: np.ndarray, radii: np.ndarray):
+    """The majority of per-frame shapes `choice` (ties: least summed error) and its radius."""
+    votes = np.bincount(choice, minlength=len(SHAPES))
+    tied = np.flatnonzero(votes == votes.max())
+    winner = int(tied[errors[:, tied].sum(0).argmin()])
+    return winner, float(np.median(radii[choice == winner, winner]))
+
+
+def _region_colours(seg, iy, ix, h, centroid, reach) -> np.ndarray:
+    """(T, len(COLORS)) labelled alpha per palette colour within `reach` (T,) px of the centroid."""
+    off = np.arange(-h, h + 1) + 0.5
+    label, alpha = _crops(seg.label, iy, ix, h), _crops(seg.alpha, iy, ix, h)
+    dist = np.hypot(
+        (iy[:, None, None] + off[None, :, None]) - centroid[:, 0, None, None],
+        (ix[:, None, None] + off[None, None, :]) - centroid[:, 1, None, None],
+    )
+    near = (dist <= reach[:, None, None]) & (label >= 0)
+    frame = np.broadcast_to(np.arange(len(iy))[:, None, None], near.shape)
+    index = frame[near] * len(COLORS) + label[near]
+    share = np.bincount(index, weights=alpha[near], minlength=len(iy) * len(COLORS))
+    return share.reshape(len(iy), len(COLORS))
+
+
+def _mean_colours(seg, iy, ix, h, crop, present) -> np.ndarray:
+    """(T, 3) coverage-weighted mean over pixels of coverage >= 0.5 of the colour un-mixed from
+    the background, bg + (pixel - bg) / coverage; NaN where absent."""
+    bg = seg.background[:, None, None, :]
+    interior = crop >= 0.5
+    unmixed = bg + (_crops(seg.frames, iy, ix, h) - bg) / np.maximum(crop, 0.5)[..., None]
+    weight = (crop * interior)[..., None]  # (T, K, K, 1)
+    colours = np.full((len(crop), 3), np.nan)
+    has = present & interior.any((1, 2))
+    colours[has] = (unmixed[has] * weight[has]).sum((1, 2)) / weight[has].sum((1, 2))
+    return colours
+
+
 def _detect(seg: Segmentation, color: str) -> Track:
     check(color in COLORS, f"color={color!r} is unknown; valid: {', '.join(COLORS)}")
     k = list(COLORS).index(color)
     t, height, width = seg.label.shape
     short = min(height, width)
-    mask = _soft_mask(seg, k)
-    h, crop, iy, ix, area, centroid = _locate(mask, short)
+    h, crop, iy, ix, area, centroid = _locate(_soft_mask(seg, k), short)
     min_area = max(1.0, MIN_AREA_FRACTION * _AREA_PER_R2["triangle"] * (SIZE_RANGE[0] * short) ** 2)
     present = area >= min_area
     p = np.flatnonzero(present)
 
-    radius = np.full(t, np.nan)
-    shapes: list = [None] * t
+    radius, frame_shapes = np.full(t, np.nan), [None] * t
     shape, track_radius = None, float("nan")
+    occluded = np.zeros(t, dtype=bool)
     if len(p):
         errors, radii = _fit_shapes(crop[p], iy[p], ix[p], h, area[p], centroid[p])
         choice = errors.argmin(1)
-        votes = np.bincount(choice, minlength=len(SHAPES))
-        tied = np.flatnonzero(votes == votes.max())
-        winner = int(tied[errors[:, tied].sum(0).argmin()])
-        shape = SHAPES[winner]
         radius[p] = radii[np.arange(len(p)), choice]
-        for i, frame in enumerate(p):
-            shapes[frame] = SHAPES[choice[i]]
-        track_radius = float(np.median(radii[choice == winner, winner]))
-
-    # Colour share near the object and its mean interior colour, frame by frame.
-    off = np.arange(-h, h + 1) + 0.5
-    label_crop = _crops(seg.label, iy, ix, h)
-    alpha_crop = _crops(seg.alpha, iy, ix, h)
-    colour_crop = _crops(seg.frames, iy, ix, h)
-    dist = np.hypot(
-        (iy[:, None, None] + off[None, :, None]) - centroid[:, 0, None, None],
-        (ix[:, None, None] + off[None, None, :]) - centroid[:, 1, None, None],
-    )
-    reach = np.where(present, np.nan_to_num(radius, nan=0.0) + 1.0, 0.0)
-    near = (dist <= reach[:, None, None]) & (label_crop >= 0)
-    share = np.bincount(label_crop[near], weights=alpha_crop[near], minlength=len(COLORS))
-    region = {name: float(v) for name, v in zip(COLORS, share) if v > 0}
-    interior = (label_crop == k) & (alpha_crop >= 0.5)
-    weight = (alpha_crop * interior)[..., None]  # (T, K, K, 1)
-    mean_colour = np.full((t, 3), np.nan)
-    has = present & (weight.sum((1, 2, 3)) > 0)
-    mean_colour[has] = (colour_crop[has] * weight[has]).sum((1, 2)) / weight[has].sum((1, 2))
+        for frame, c in zip(p, choice):
+            frame_shapes[frame] = SHAPES[c]
+        shares = _region_colours(seg, iy, ix, h, centroid, np.where(present, radius + 1.0, 0.0))
+        others = shares.sum(1) - shares[:, k]
+        occluded = present & (others > OCCLUSION_FRACTION * area)
+        clear = ~occluded[p] if (~occluded[p]).any() else np.ones(len(p), dtype=bool)
+        winner, track_radius = _vote_shape(choice[clear], errors[clear], radii[clear])
+        shape = SHAPES[winner]
+    region = {name: float(v) for name, v in zip(COLORS, shares.sum(0)) if v > 0} if len(p) else {}
+    mean_colour = _mean_colours(seg, iy, ix, h, crop, present)
 
     direction = speed = start = path = None
     residual, motion_errors = float("inf"), {}
     if len(p) >= MIN_MOTION_FRAMES:
-        (d, s), start, residual, motion_errors, path = _fit_motion(centroid, present, track_radius,
-                                                                    height, width)
+        clear = present & ~occluded
+        fit = clear if clear.sum() >= max(MIN_MOTION_FRAMES, len(p) / 2) else present
+        (d, s), start, residual, motion_errors, path = _fit_motion(
+            centroid, fit, track_radius, height, width)
         if len(p) >= t / 2 and residual <= motion_tolerance(height, width):
             direction, speed = d, s
 
-    consistency, parts = _consistency(present, area, shapes, shape, mean_colour)
-    centroid = np.where(present[:, None], centroid, np.nan)
+    consistency, parts = _consistency(present, area, frame_shapes, shape, mean_colour)
     return Track(
-        color=color, present=present, area=area, centroid=centroid, radius=radius,
-        frame_shapes=tuple(shapes), mean_colour=mean_colour, shape=shape, radius_px=track_radius,
-        direction=direction, speed=speed, start=start, path=path, motion_residual=residual,
-        motion_errors=motion_errors, region_colours=region, consistency=consistency,
-        consistency_parts=parts,
+        color=color, present=present, area=area, centroid=np.where(present[:, None], centroid, np.nan),
+        radius=radius, occluded=occluded, frame_shapes=tuple(frame_shapes), mean_colour=mean_colour,
+        shape=shape, radius_px=track_radius, direction=direction, speed=speed, start=start, path=path,
+        motion_residual=residual, motion_errors=motion_errors, region_colours=region,
+        consistency=consistency, consistency_parts=parts,
     )
 
 
@@ -455,7 +524,7 @@ def score(video, prompt: str) -> dict:
     "color_share", "dominant_color", "motion_residual"), its checks and its consistency. The
     clip-level booleans are the conjunction over objects; "speed_ok" is None when no object states
     a speed, and "background_ok" None when the prompt names no background. Neither is part of
-    "aligned" (see the module docstring, step 7).
+    "aligned" (see the module docstring, step 8).
     """
     wanted = parse_caption(prompt)
     seg = segment(video)

@@ -77,8 +77,8 @@ class Budget:
 
 
 BUDGETS: dict[str, Budget] = {
-    # About 100 minutes on 2 cores (README): 5 x 240 adaptation steps of batch 4 at 32 frames,
-    # then 5 x 2 x 24 sampled videos plus the pretrained model's and the ground truth's.
+    # About 80 minutes on 2 cores (measured: 50 min for 5 x 240 adaptation steps of batch 4 at 32
+    # frames, 29 min to sample and score 6 models x 2 lengths x 24 videos; README).
     "full": Budget("full", pretrain_steps=None, short_frames=8, long_frames=32, height=32, width=32,
                    adapt_steps=240, batch_size=4, lr=2e-4, eval_videos=24,
                    sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),

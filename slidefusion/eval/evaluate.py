@@ -30,6 +30,7 @@ COLUMNS = (
     ("color_ok", "colour", "{:.2f}"),
     ("shape_ok", "shape", "{:.2f}"),
     ("direction_ok", "direction", "{:.2f}"),
+    ("heading_ok", "heading", "{:.2f}"),
     ("background_ok", "background", "{:.2f}"),
     ("consistency", "subject consistency", "{:.3f}"),
     ("temporal_flickering", "temporal flickering", "{:.4f}"),

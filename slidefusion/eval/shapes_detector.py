@@ -61,6 +61,9 @@ with pixel centres at (i + 0.5), (y, x) order, y growing downwards, radius as in
    RMS error in pixels. Direction and speed are None ("no consistent motion") when the object is
    present in fewer than half the frames or fewer than MIN_MOTION_FRAMES, or the residual exceeds
    `motion_tolerance` = max(1 px, MOTION_TOLERANCE x the shorter side), 1.92 px at 32x32.
+   `heading` is the lenient reading: the direction of the best candidate whatever its residual
+   (None only when nothing could be fitted), for blurry generated objects that drift the right
+   way without following a clean trajectory; chance is 1/8.
 
 7. Consistency (subject consistency) of a track, in [0, 1], is the mean of four stabilities:
    presence  the fraction of frames in which the object is present;
@@ -81,6 +84,7 @@ with pixel centres at (i + 0.5), (y, x) order, y growing downwards, radius as in
    shape_ok      detected shape == prompt's; direction_ok and speed_ok likewise; speed_ok is None
                  when the prompt leaves the speed out;
    aligned       color_ok and shape_ok and direction_ok (speed is reported, not required).
+   heading_ok    the track's heading is the prompt's direction (lenient; not part of aligned).
    A clip's checks are the conjunction over its objects; its consistency is the mean over them.
    The clip's background is the BACKGROUNDS colour nearest the median of step 1 (background_ok
    when the prompt names one; reported, not part of aligned).
@@ -174,6 +178,15 @@ class Track:
     @property
     def present_fraction(self) -> float:
         return float(self.present.mean())
+
+    @property
+    def heading(self) -> str | None:
+        """The direction whose bounced trajectory (at either speed) fits the centroids best, however
+        poor the fit: a lenient reading of motion for blurry generated objects (chance is 1/8).
+        None only when too few frames were present to fit at all."""
+        if not self.motion_errors:
+            return None
+        return min(self.motion_errors, key=self.motion_errors.get)[0]
 
     def dominant_color(self, ignore=()) -> str | None:
         """The colour with the most coverage near the object, leaving out the colours in `ignore`
@@ -537,6 +550,7 @@ def score(video, prompt: str) -> dict:
         shape_ok = track.shape == obj.shape
         direction_ok = track.direction == obj.direction
         speed_ok = None if obj.speed is None else track.speed == obj.speed
+        heading_ok = track.heading == obj.direction
         objects.append({
             "color": obj.color, "shape": obj.shape, "direction": obj.direction, "speed": obj.speed,
             "detected_shape": track.shape, "detected_direction": track.direction,
@@ -544,7 +558,8 @@ def score(video, prompt: str) -> dict:
             "color_share": track.color_share(ignore=others), "dominant_color": dominant,
             "motion_residual": track.motion_residual,
             "color_ok": bool(color_ok), "shape_ok": shape_ok, "direction_ok": direction_ok,
-            "speed_ok": speed_ok, "aligned": bool(color_ok and shape_ok and direction_ok),
+            "speed_ok": speed_ok, "heading": track.heading, "heading_ok": heading_ok,
+            "aligned": bool(color_ok and shape_ok and direction_ok),
             "consistency": track.consistency,
         })
     speeds = [o["speed_ok"] for o in objects if o["speed_ok"] is not None]
@@ -555,6 +570,7 @@ def score(video, prompt: str) -> dict:
         "shape_ok": all(o["shape_ok"] for o in objects),
         "direction_ok": all(o["direction_ok"] for o in objects),
         "speed_ok": all(speeds) if speeds else None,
+        "heading_ok": all(o["heading_ok"] for o in objects),
         "aligned": all(o["aligned"] for o in objects),
         "consistency": float(np.mean([o["consistency"] for o in objects])),
         "background": background,
@@ -568,7 +584,7 @@ def summarize(scores: list[dict]) -> dict[str, float]:
     may be None); with none it is NaN."""
     check(len(scores) >= 1, "scores must hold at least one score() result, got none")
     out: dict[str, float] = {}
-    for key in ("color_ok", "shape_ok", "direction_ok", "speed_ok", "background_ok", "aligned"):
+    for key in ("color_ok", "shape_ok", "direction_ok", "heading_ok", "speed_ok", "background_ok", "aligned"):
         values = [s[key] for s in scores if s[key] is not None]
         out[key] = float(np.mean(values)) if values else float("nan")
     out["consistency"] = float(np.mean([s["consistency"] for s in scores]))

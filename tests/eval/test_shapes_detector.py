@@ -55,6 +55,7 @@ def test_ground_truth_single_object_is_aligned(frames):
     rates = _rates(videos, prompts, f"ground truth, 1 object, {frames} frames")
     assert rates["aligned"] >= 0.95
     assert rates["speed_ok"] >= 0.95
+    assert rates["heading_ok"] >= 0.95
     assert rates["consistency"] >= 0.95
 
 
@@ -133,6 +134,7 @@ def test_reversed_motion_is_seen_as_the_opposite_direction():
     assert len(changed) >= CLIPS // 2  # most clips do not bounce back to their own direction
     rates = _rates([videos[i][::-1] for i in changed], [prompts[i] for i in changed], "reversed in time")
     assert rates["direction_ok"] <= 0.1
+    assert rates["heading_ok"] <= 0.1
     assert rates["aligned"] <= 0.1
     # The detector reads the reversed clip as moving the other way, not as noise.
     detected = [detect(videos[i][::-1], scenes[i].objects[0].color).direction for i in changed]

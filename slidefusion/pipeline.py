@@ -82,37 +82,31 @@ class VideoPipeline:
         return self.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
 
     @torch.no_grad()
-    def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
-                      height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 4.0,
-                      negative_prompt: str = "") -> Tensor:
-        """Latents (B, C, T', H', W') of several prompts sampled together; video i starts from the
-        noise `latents(prompts[i], seed=seeds[i])` would draw, so batching changes only rounding."""
-        if len(prompts) != len(seeds) or not prompts:
-            raise UserError(f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
-        if any(not p.strip() for p in prompts):
-            raise UserError("every prompt must be a non-empty text")
-        data = self.config.data
-        latent = self.autoencoder.latent_shape(frames or data.frames, height or data.height, width or data.width)
-        self.model.token_grid((1, *latent))
-        noise = torch.cat([torch.randn((1, *latent), generator=torch.Generator().manual_seed(s)) for s in seeds])
-        cond = self.text_encoder.encode(list(prompts))
-        uncond = self.text_encoder.encode([negative_prompt] * len(prompts))
-        return sample(self.model, tuple(noise.shape), cond, uncond, steps=steps, guidance=guidance,
-                      device=self.device, progress=False, noise=noise)
-
-    @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 30, guidance: float = 4.0, seed: int = 0, negative_prompt: str = "",
                 progress: bool = True) -> Tensor:
         """Final latents (1, C, T', H', W'); sizes in pixels default to those the model was trained on."""
-        if not prompt.strip():
+        return self.latents_batch([prompt], [seed], frames=frames, height=height, width=width, steps=steps,
+                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress)
+
+    @torch.no_grad()
+    def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
+                      height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 4.0,
+                      negative_prompt: str = "", progress: bool = False) -> Tensor:
+        """Latents (B, C, T', H', W') of several prompts sampled together. Video i starts from the
+        noise of seed `seeds[i]` alone, as `latents(prompts[i], seed=seeds[i])` does, so batching
+        changes only rounding."""
+        if len(prompts) != len(seeds) or not prompts:
+            raise UserError(f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
+        if any(not p.strip() for p in prompts):
             raise UserError("prompt must be a non-empty text")
         if guidance < 0:
             raise UserError(f"guidance={guidance} must be >= 0 (1 = no guidance)")
         data = self.config.data
         latent = self.autoencoder.latent_shape(frames or data.frames, height or data.height, width or data.width)
         self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        cond = self.text_encoder.encode([prompt])
-        uncond = self.text_encoder.encode([negative_prompt])
-        return sample(self.model, (1, *latent), cond, uncond, steps=steps, guidance=guidance, seed=seed,
-                      device=self.device, progress=progress)
+        noise = torch.cat([torch.randn((1, *latent), generator=torch.Generator().manual_seed(s)) for s in seeds])
+        cond = self.text_encoder.encode(list(prompts))
+        uncond = self.text_encoder.encode([negative_prompt] * len(prompts))
+        return sample(self.model, tuple(noise.shape), cond, uncond, steps=steps, guidance=guidance,
+                      device=self.device, progress=progress, noise=noise)

@@ -91,8 +91,9 @@ BUDGETS: dict[str, Budget] = {
 }
 
 
-def _quiet_config(config: TrainConfig, name: str, out: Path, steps: int) -> TrainConfig:
-    run = RunConfig(name=name, output_dir=str(out / "runs"), steps=steps, batch_size=config.run.batch_size,
+def _quiet_config(config: TrainConfig, name: str, out: Path, steps: int, batch_size: int) -> TrainConfig:
+    """`config` as run NAME under out/runs: `steps` of `batch_size`, three checkpoints, the last kept."""
+    run = RunConfig(name=name, output_dir=str(out / "runs"), steps=steps, batch_size=batch_size,
                     seed=config.run.seed, log_every=max(1, min(10, steps // 4)), save_every=max(1, steps // 3), keep_last=1)
     return replace(config, run=run)
 
@@ -139,9 +140,7 @@ def _variant_config(base: TrainConfig, budget: Budget, variant: str) -> TrainCon
     model = replace(base.model, attention=kind, attention_options=options)
     data = replace(base.data, frames=budget.long_frames, height=budget.height, width=budget.width)
     optim = OptimConfig(lr=budget.lr, warmup_steps=max(1, budget.adapt_steps // 15), max_grad_norm=1.0, ema_decay=0.999)
-    config = replace(base, model=model, data=data, optim=optim)
-    config.run = replace(config.run, batch_size=budget.batch_size)
-    return config
+    return replace(base, model=model, data=data, optim=optim)
 
 
 def _pretrained(budget: Budget, out: Path, log) -> tuple[Path, TrainConfig]:
@@ -158,8 +157,7 @@ def _pretrained(budget: Budget, out: Path, log) -> tuple[Path, TrainConfig]:
     config = TrainConfig(model=preset(budget.pretrain_model),
                          data=DataConfig(frames=budget.short_frames, height=budget.height, width=budget.width),
                          optim=OptimConfig(lr=budget.lr, warmup_steps=5))
-    config.run = replace(config.run, batch_size=budget.batch_size)
-    config = _quiet_config(config, "pretrain", out, budget.pretrain_steps)
+    config = _quiet_config(config, "pretrain", out, budget.pretrain_steps, budget.batch_size)
     path, _ = _train(config, None, log)
     return path, config
 
@@ -206,7 +204,8 @@ def run_ablation(budget: Budget, out: str | Path, variants: list[str] | None = N
     pretrained, base = _pretrained(budget, out, log)
     runs = {}
     for variant in variants:
-        config = _quiet_config(_variant_config(base, budget, variant), variant, out, budget.adapt_steps)
+        config = _quiet_config(_variant_config(base, budget, variant), variant, out, budget.adapt_steps,
+                               budget.batch_size)
         checkpoint, step_s = _train(config, pretrained, log)
         losses = _losses(out / "runs" / variant)
         tail = [r["loss"] for r in losses[-max(1, len(losses) // 5):]]

@@ -77,10 +77,10 @@ class Budget:
 
 
 BUDGETS: dict[str, Budget] = {
-    # About 80 minutes on 2 cores (measured: 50 min for 5 x 240 adaptation steps of batch 4 at 32
-    # frames, 29 min to sample and score 6 models x 2 lengths x 24 videos; README).
+    # About 110 minutes on 2 cores (measured: 50 min for 5 x 240 adaptation steps of batch 4 at 32
+    # frames, 57 min to sample and score 6 models x 2 lengths x 48 videos; README).
     "full": Budget("full", pretrain_steps=None, short_frames=8, long_frames=32, height=32, width=32,
-                   adapt_steps=240, batch_size=4, lr=2e-4, eval_videos=24,
+                   adapt_steps=240, batch_size=4, lr=2e-4, eval_videos=48,
                    sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
     # A smoke run of every stage (about a minute): a tiny model, a few steps, two videos.
     "quick": Budget("quick", pretrain_steps=30, short_frames=4, long_frames=8, height=16, width=16,
@@ -164,26 +164,32 @@ def _pretrained(budget: Budget, out: Path, log) -> tuple[Path, TrainConfig]:
 
 def _evaluate(name: str, checkpoint: Path, frames: int, prompts: list[str], budget: Budget, out: Path, log) -> dict:
     """Evaluate one checkpoint at one length. The sampled videos are kept (out/eval/NAME-Ff.npz,
-    uint8), so a rerun only re-scores them; scores and the table always come from the current code."""
+    uint8): a rerun re-scores them and samples only prompts the file does not hold yet (video i
+    always uses seed `sampling.seed + i`), so scores and the table always come from the current code."""
     from slidefusion.data.video_io import to_uint8
     from slidefusion.pipeline import VideoPipeline
 
     cache = out / "eval" / f"{name}-{frames}f.npz"
+    videos, seconds = [], 0.0  # seconds of sampling in all, for the videos held
     if cache.is_file():
         saved = np.load(cache)
-        check(saved["prompts"].tolist() == prompts, f"{cache} holds other prompts; delete it to resample")
-        videos, seconds = list(saved["videos"]), float(saved["sampling_s_per_video"])
-    else:
+        held = saved["prompts"].tolist()[:len(prompts)]
+        check(held == prompts[:len(held)], f"{cache} holds other prompts; delete it to resample")
+        videos = list(saved["videos"][:len(held)])
+        seconds = float(saved["sampling_s_per_video"]) * len(held)
+    if len(videos) < len(prompts):
         start = time.perf_counter()
+        settings = replace(budget.sampling, frames=frames, seed=budget.sampling.seed + len(videos))
         with torch.inference_mode():
             pipeline = VideoPipeline.from_checkpoint(checkpoint)
-            videos = [to_uint8(v) for v in generate_videos(pipeline, prompts, replace(budget.sampling, frames=frames),
-                                                           progress=False)]
-        seconds = (time.perf_counter() - start) / len(prompts)
+            videos += [to_uint8(v) for v in generate_videos(pipeline, prompts[len(videos):], settings, progress=False)]
+        seconds += time.perf_counter() - start
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.stem}.tmp.npz")
-        np.savez_compressed(tmp, videos=np.stack(videos), prompts=np.array(prompts), sampling_s_per_video=seconds)
+        np.savez_compressed(tmp, videos=np.stack(videos), prompts=np.array(prompts),
+                            sampling_s_per_video=seconds / len(prompts))
         tmp.replace(cache)
+    seconds /= len(prompts)
     rows, summary = evaluate_videos(videos, prompts)
     summary["sampling_s_per_video"] = seconds
     write_json(cache.with_suffix(".json"), {"checkpoint": str(checkpoint), "frames": frames, "summary": summary,

@@ -91,7 +91,7 @@ def add_experiment_parser(sub) -> None:
                                             "evaluate at both lengths, and write results.md, results.json and "
                                             "losses.png. Rerunning the same command resumes.")
     ablation.add_argument("--budget", choices=list(BUDGETS), default="full",
-                          help="full: about 80 min on 2 cores; quick: a smoke run of every stage (under a minute)")
+                          help="full: about 110 min on 2 cores; quick: a smoke run of every stage (under a minute)")
     ablation.add_argument("--out", default="experiments/attention-ablation", help="output folder")
     ablation.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="a subset (default: all)")
     ablation.set_defaults(func=cmd_experiment)

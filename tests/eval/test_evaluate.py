@@ -1,7 +1,9 @@
 """`slidefusion evaluate`, the batched sampler it uses, and the attention-ablation smoke run."""
 
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +94,24 @@ def test_quick_ablation_runs_every_stage_and_resumes(tmp_path):
     rerun = run_ablation(BUDGETS["quick"], tmp_path, log=again.append)
     assert sum("already trained" in line for line in again) == len(VARIANTS) + 1  # + the pretraining
     assert rerun["table"]["long"]["slide"] == results["table"]["long"]["slide"]  # videos re-scored, not resampled
+
+
+def test_ablation_with_more_prompts_samples_only_the_new_ones(tmp_path):
+    one = replace(BUDGETS["quick"], eval_videos=1)
+    run_ablation(one, tmp_path, variants=["neighborhood"], log=lambda line: None)
+    cache = tmp_path / "eval" / "neighborhood-8f.npz"
+    first = np.load(cache)["videos"]
+    run_ablation(BUDGETS["quick"], tmp_path, variants=["neighborhood"], log=lambda line: None)
+    both = np.load(cache)
+    assert both["prompts"].tolist() == held_out_prompts(2) and len(both["videos"]) == 2
+    np.testing.assert_array_equal(both["videos"][:1], first)  # kept, not resampled
+    # The new video is the one a fresh two-prompt run samples (seed 1), not a copy; a fresh run samples
+    # both in one batch, which may change rounding only.
+    fresh = tmp_path / "fresh"
+    run_ablation(BUDGETS["quick"], fresh, variants=["neighborhood"], log=lambda line: None)
+    batched = np.load(fresh / "eval" / "neighborhood-8f.npz")["videos"].astype(int)
+    assert np.abs(batched - both["videos"]).max() <= 2
+    assert np.abs(both["videos"][1].astype(int) - both["videos"][0]).max() > 20
 
 
 def test_ablation_rejects_an_unknown_variant(tmp_path):

@@ -79,7 +79,12 @@ class VideoPipeline:
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (1, C, T', H', W') -> the video (3, T, H, W) in [-1, 1], on the CPU."""
-        return self.autoencoder.decode(latents)[0].clamp(-1, 1).cpu()
+        return self.decode_batch(latents)[0]
+
+    @torch.no_grad()
+    def decode_batch(self, latents: Tensor) -> Tensor:
+        """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU."""
+        return self.autoencoder.decode(latents).clamp(-1, 1).cpu()
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,

@@ -4,11 +4,7 @@ import argparse
 import time
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    from slidefusion.cli import _positive_int as parse
-
-    return parse(text)
+from slidefusion.cli import _positive_int
 
 
 def cmd_evaluate(args) -> None:

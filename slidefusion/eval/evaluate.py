@@ -109,7 +109,7 @@ def generate_videos(pipeline, prompts: list[str], settings: SamplingSettings, pr
         seeds = [settings.seed + start + i for i in range(len(chunk))]
         latents = pipeline.latents_batch(chunk, seeds, frames=settings.frames, steps=settings.steps,
                                          guidance=settings.guidance)
-        videos += list(pipeline.autoencoder.decode(latents).clamp(-1, 1).cpu())
+        videos += list(pipeline.decode_batch(latents))
     return videos
 
 

@@ -2,6 +2,8 @@
 
 import torch
 
+from slidefusion.attention.reference import slide_attention_reference
+
 
 def qkv(grid, batch=2, heads=3, head_dim=5, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -24,3 +26,13 @@ def grads(fn, q, k, v, off, seed=2):
     out = fn(*inputs[:3], inputs[3] if off is not None else None)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
     return (out, *torch.autograd.grad((out * g).sum(), inputs))
+
+
+def assert_low_precision_matches_reference(fn, dtype, tol, slots):
+    """`fn(q, k, v, (3, 3, 3), offsets)` in `dtype` keeps the dtype and matches the float64 reference."""
+    q, k, v = qkv((3, 5, 7), dtype=dtype)
+    off = random_offsets(q, slots)
+    out = fn(q, k, v, (3, 3, 3), off)
+    assert out.dtype == dtype
+    ref = slide_attention_reference(*(x.double() for x in (q, k, v)), (3, 3, 3), off.double())
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)

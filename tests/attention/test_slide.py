@@ -19,7 +19,7 @@ from slidefusion.attention.reference import (
     window_starts,
 )
 from slidefusion.errors import UserError
-from attention_inputs import qkv, random_offsets
+from attention_inputs import assert_low_precision_matches_reference, qkv, random_offsets
 
 TOL = 1e-10
 
@@ -110,12 +110,7 @@ def test_whole_grid_window_is_dense_and_zero_offsets_are_neighbourhood():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_low_precision_keeps_the_dtype(dtype, tol):
-    q, k, v = qkv((3, 5, 7), dtype=dtype)
-    off = random_offsets(q, 1)
-    out = slide_attention(q, k, v, (3, 3, 3), off)
-    assert out.dtype == dtype
-    ref = slide_attention_reference(*(x.double() for x in (q, k, v)), (3, 3, 3), off.double())
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert_low_precision_matches_reference(slide_attention, dtype, tol, slots=1)
 
 
 # ---------------------------------------------------------------------------------------------

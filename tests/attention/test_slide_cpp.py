@@ -12,7 +12,7 @@ from slidefusion.attention.backends import cpp
 from slidefusion.attention.backends.cpp import slide_attention_cpp
 from slidefusion.attention.reference import slide_attention_reference
 from slidefusion.errors import UserError
-from attention_inputs import qkv, random_offsets, grads
+from attention_inputs import assert_low_precision_matches_reference, grads, qkv, random_offsets
 
 TOL = 1e-10
 
@@ -89,12 +89,7 @@ def test_threads_write_separate_gradient_buffers():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_low_precision_computes_in_float32_and_keeps_the_dtype(dtype, tol):
-    q, k, v = qkv((3, 5, 7), dtype=dtype)
-    off = random_offsets(q, 27)
-    out = slide_attention_cpp(q, k, v, (3, 3, 3), off)
-    assert out.dtype == dtype
-    ref = slide_attention_reference(*(x.double() for x in (q, k, v)), (3, 3, 3), off.double())
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert_low_precision_matches_reference(slide_attention_cpp, dtype, tol, slots=27)
 
 
 def test_auto_dispatch_uses_the_compiled_kernel_on_cpu():

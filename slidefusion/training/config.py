@@ -16,6 +16,7 @@ from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
 from slidefusion.offload.config import OffloadConfig
+from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
 
 
 @dataclass
@@ -39,27 +40,6 @@ class DataConfig:
             check(value >= 1, f"data.{name}={value} must be >= 1")
         check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
         check(self.kind != "folder" or self.root, "data.root must name the video folder when data.kind=folder")
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with linear warm-up, optional clipping, and an EMA copy of the weights for sampling."""
-
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    max_grad_norm: float | None = 1.0
-    ema_decay: float | None = 0.999
-
-    def __post_init__(self):
-        self.betas = tuple(self.betas)
-        check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
-        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"optim.betas={self.betas} must be two numbers in [0, 1)")
-        check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        check(self.max_grad_norm is None or self.max_grad_norm > 0, f"optim.max_grad_norm={self.max_grad_norm} must be > 0 or null")
-        check(self.ema_decay is None or 0 < self.ema_decay < 1, f"optim.ema_decay={self.ema_decay} must be in (0, 1) or null")
 
 
 @dataclass

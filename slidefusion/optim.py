@@ -1,0 +1,30 @@
+"""The optimizer section of a training config, shared by the resident trainer and the offload engine.
+
+It sits below both (training -> offload -> here), so the engine reads the same hyper-parameters the
+trainer validated instead of repeating them.
+"""
+
+from dataclasses import dataclass
+
+from slidefusion.errors import check
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up, optional clipping, and an EMA copy of the weights for sampling."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_grad_norm: float | None = 1.0
+    ema_decay: float | None = 0.999
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"optim.betas={self.betas} must be two numbers in [0, 1)")
+        check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        check(self.max_grad_norm is None or self.max_grad_norm > 0, f"optim.max_grad_norm={self.max_grad_norm} must be > 0 or null")
+        check(self.ema_decay is None or 0 < self.ema_decay < 1, f"optim.ema_decay={self.ema_decay} must be in (0, 1) or null")

@@ -43,11 +43,16 @@ def config_value(model: nn.Module, key: str | int, default: Any = None) -> Any:
 class ModelAdapter:
     """How slidefusion drives one model class. See the module docstring; fields are data.
 
-    input_layout: how the model's own forward receives latents, for `grid_from_call`:
-        "BCTHW", "BTCHW" (CogVideoX, frames first) or "packed" (LTX: (B, N, C) tokens with
-        num_frames/height/width keywords). channels / text_dim / pooled_dim: the config keys of the
-        latent channels, the text state width and the pooled text width. options: per-instance settings read from the pipeline
-        config (Wan 2.2's `expand_timesteps`, LTX's `rope_interpolation_scale`), with defaults.
+    block_lists: the block lists in call order (`interleave`: one of each in turn, as Latte runs them);
+    call: the family's call function (see CallFn); patch: config keys (or ints) of (pt, ph, pw);
+    objective / text: what the model predicts and how its pipeline encodes prompts (None: ours);
+    pipelines: the diffusers pipeline classes that run this transformer (export writes the first);
+    channels / text_dim / pooled_dim: config keys of the latent channels and the text widths;
+    input_layout: how the model's own forward receives latents, for `grid_from_call`: "BCTHW",
+        "BTCHW" (CogVideoX, frames first) or "packed" (LTX: (B, N, C) tokens with num_frames/height/
+        width keywords); check_latents: extra shape rules (Latte's video_length);
+    options: per-instance settings, with defaults, that the pipeline config may set (Wan 2.2's
+        `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance).
     """
 
     family: str

@@ -4,6 +4,7 @@ Registered from slidefusion/cli.py through `add_parallel_options` and `add_simul
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -11,37 +12,73 @@ from slidefusion.errors import UserError
 from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, parse_slices
 
 
+PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout"}
+
+
 def add_parallel_options(generate: argparse.ArgumentParser) -> None:
     group = generate.add_argument_group("parallel inference (run under torchrun --nproc-per-node P)")
     group.add_argument("--parallel", metavar="SCHEDULE", choices=list(SCHEDULES),
                        help=f"run across the torchrun ranks: {', '.join(SCHEDULES)}")
-    group.add_argument("--slices", default="4", metavar="N|auto", help="slices per switch for scalefusion (default 4)")
+    group.add_argument("--slices", default=None, metavar="N|auto",
+                       help="slices per switch (scalefusion, scalefusion-inter; default 4) or per Ulysses all-to-all "
+                            "(ulysses on full-3D models; default 1 = plain Ulysses)")
     group.add_argument("--cfg-parallel", action="store_true",
                        help="conditional and unconditional halves on two rank groups (even rank count)")
     group.add_argument("--trace", metavar="PATH", help="write a Chrome trace (compute and transfers per rank)")
-    group.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    group.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="seconds before a collective waiting on a dead or stuck rank fails (default 300)")
 
 
-def generate_parallel(args, build_pipeline) -> None:
-    """The `generate` command across ranks: every rank samples; rank 0 writes the outputs."""
-    import torch.distributed as dist
-    from slidefusion.pipeline import save_latents
+def reject_parallel_options(args) -> None:
+    """A parallel option without --parallel would be silently ignored: say so instead."""
+    given = [flag for key, flag in PARALLEL_ONLY.items() if getattr(args, key, None) not in (None, False)]
+    if given:
+        raise UserError(f"{given[0]} applies to parallel runs only; add --parallel SCHEDULE "
+                        f"({', '.join(SCHEDULES)}) under torchrun, or drop {given[0]}")
 
-    from slidefusion.data.video_io import check_video_path, write_video
+
+def _prepare(args, build_pipeline):
+    """Every check that needs no process group, before any is joined: the config, the output path,
+    whether the schedule suits the model, the launcher, and whether the model fits this many ranks."""
+    from slidefusion.data.video_io import check_video_path
+    from slidefusion.parallel.launch import launcher_world, pick_backend
+    from slidefusion.parallel.plan import check_fit
+
+    timeout = 300.0 if args.timeout is None else args.timeout
+    config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, timeout)
+    check_video_path(Path(args.out))
+    args.device = str(pick_backend()[1])
+    pipe = build_pipeline(args)
+    check_fit(pipe.model, config, None)
+    check_fit(pipe.model, config, launcher_world())
+    return config, pipe
+
+
+def generate_parallel(args, build_pipeline) -> None:
+    """The `generate` command across ranks: every rank samples; rank 0 writes the outputs and is the
+    one that reports bad input (the others exit 2 silently, so the error is one line)."""
+    try:
+        _generate_parallel(args, build_pipeline)
+    except UserError:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(2) from None
+        raise
+
+
+def _generate_parallel(args, build_pipeline) -> None:
+    import torch.distributed as dist
+
+    from slidefusion.data.video_io import write_video
     from slidefusion.parallel.api import parallel_latents
     from slidefusion.parallel.launch import init_distributed
-    from slidefusion.parallel.trace import Tracer, step_table, write_chrome_trace
+    from slidefusion.parallel.trace import Tracer
+    from slidefusion.pipeline import save_latents
 
-    config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, args.timeout)
-    out = Path(args.out)
-    check_video_path(out)
     start = time.perf_counter()
-    device = init_distributed(config.timeout_s)
-    args.device = str(device)
+    config, pipe = _prepare(args, build_pipeline)
+    init_distributed(config.timeout_s)
     rank = dist.get_rank()
     tracer = Tracer(rank=rank, enabled=True)
-    pipe = build_pipeline(args)
     latents = parallel_latents(pipe, args.prompt, config, tracer, frames=args.frames, height=args.height,
                                width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
                                progress=rank == 0 and not args.quiet)
@@ -52,8 +89,8 @@ def generate_parallel(args, build_pipeline) -> None:
         if args.save_latents:
             print(f"wrote {save_latents(args.save_latents, latents)}")
         video = pipe.decode(latents)
-        write_video(out, video, fps=pipe.config.data.fps)
-        print(f"wrote {out}")
+        write_video(Path(args.out), video, fps=pipe.config.data.fps)
+        print(f"wrote {args.out}")
         print(f"{args.prompt!r}: {video.shape[1]} frames on {dist.get_world_size()} ranks ({args.parallel}) "
               f"in {time.perf_counter() - start:.1f} s")
     dist.barrier()

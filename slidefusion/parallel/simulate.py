@@ -8,10 +8,9 @@ bytes over that link's bandwidth. The op graph is built from the same `Schedule`
 engine: layer slices, (producer x consumer) chunks per switch, blocking or overlapped.
 """
 
-import math
 from dataclasses import asdict, dataclass, field
 
-from slidefusion.errors import UserError, check
+from slidefusion.errors import check
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.plan import SCHEDULES, Schedule
 
@@ -149,11 +148,67 @@ def _ulysses_program(costs: StepCosts) -> list[Op]:
     return ops
 
 
-def simulate(schedule: str, costs: StepCosts, slices: int = 1) -> Result:
+@dataclass
+class FullCosts:
+    """One rank's costs for one model evaluation of a full-3D DiT under Ulysses, per block:
+    qkv_s (projection of this rank's tokens, all heads, QK norm and rotary included), attn_s (softmax
+    attention of this rank's heads over every token), out_s (output projection), rest_s (the block's
+    other per-token work: norms, cross-attention, MLP); qkv_peer_bytes / out_peer_bytes: what this
+    rank sends each peer in one whole exchange; gather_peer_bytes: the final token gather."""
+
+    blocks: int
+    qkv_s: float
+    attn_s: float
+    out_s: float
+    rest_s: float
+    qkv_peer_bytes: float
+    out_peer_bytes: float
+    gather_peer_bytes: float
+    link: Link
+    slice_overhead_s: float = 0.0
+    slowdown: float = 0.0
+
+
+def _full_block(ops: list[Op], costs: FullCosts, n: int, b: int) -> None:
+    """One block of (sliced) Ulysses, in the order `ulysses.ulysses_attention` issues it."""
+    def add(name, resource, seconds, deps):
+        ops.append(Op(f"{name} {b}", resource, seconds, deps))
+        return len(ops) - 1
+
+    over, link = costs.slice_overhead_s if n > 1 else 0.0, costs.link
+    last = add("rest", "compute", costs.rest_s, [len(ops) - 1] if ops else [])
+    sends = []
+    for k in range(n):
+        last = add(f"qkv {k}", "compute", costs.qkv_s / n + over, [last])
+        sends.append(add(f"a2a qkv {k}", "link", link.seconds(costs.qkv_peer_bytes / n), [last]))
+    tile, returns = costs.attn_s / (n * n), []
+    for j in range(n - 1):  # arrival j: 2j + 1 tiles of (query chunk, key chunk)
+        last = add(f"attend {j}", "compute", (2 * j + 1) * tile + 2 * over, [last, sends[j]])
+    for a in range(n):  # the last key chunk: each query chunk completes and goes back at once
+        seconds = tile + over if a < n - 1 else n * tile + over
+        last = add(f"attend last {a}", "compute", seconds, [last, sends[-1]])
+        returns.append(add(f"a2a out {a}", "link", link.seconds(costs.out_peer_bytes / n), [last]))
+    for a in range(n):
+        last = add(f"out {a}", "compute", costs.out_s / n + over, [last, returns[a]])
+
+
+def full_program(costs: FullCosts, n: int) -> list[Op]:
+    ops: list[Op] = []
+    for b in range(costs.blocks):
+        _full_block(ops, costs, n, b)
+    ops.append(Op("gather tokens", "link", costs.link.seconds(costs.gather_peer_bytes), [len(ops) - 1]))
+    ops.append(Op("head", "compute", 0.0, [len(ops) - 1]))
+    return ops
+
+
+def simulate(schedule: str, costs: StepCosts | FullCosts, slices: int = 1) -> Result:
+    if isinstance(costs, FullCosts):
+        check(schedule == "ulysses", f"a full-3D model runs under ulysses only, not {schedule}")
+        return run(full_program(costs, slices), costs.slowdown)
     return run(_program(SCHEDULES[schedule], costs, slices), costs.slowdown)
 
 
-def best_slices(schedule: str, costs: StepCosts, candidates=(1, 2, 4, 8, 16, 32)) -> int:
+def best_slices(schedule: str, costs: StepCosts | FullCosts, candidates=(1, 2, 4, 8, 16, 32)) -> int:
     """The slice count with the shortest simulated step (the smallest on ties)."""
     return min(candidates, key=lambda n: (round(simulate(schedule, costs, n).step_s, 12), n))
 

@@ -87,7 +87,8 @@ def _full_costs(model, plan, comm, tokens, c, context) -> FullCosts:
     qkv_probe = torch.randn(b, seq.shape[1], mine, head_dim)
     quarter = local[:, :max(1, n_local // 4)]
     view = local.reshape(b, 1, n_local, 1, width)
-    values = [_time(lambda: access.project(module, local)), _time(lambda: access.project(module, quarter)),
+    values = [_time(lambda: access.project(module, local, (), {}, (0, n_local))),
+              _time(lambda: access.project(module, quarter, (), {}, (0, quarter.shape[1]))),
               _time(lambda: attention_lse(qkv_probe, qkv_probe, qkv_probe)),
               _time(lambda: access.output(module, torch.randn(b, n_local, heads, head_dim))),
               _time(lambda: block(view, c, context, None)) - _time(lambda: module(view))]

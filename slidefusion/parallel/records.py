@@ -35,20 +35,22 @@ class AttentionSite:
 class AttentionAccess:
     """How head-parallel attention reaches one attention class.
 
-    heads(m) -> int. project(m, x): this rank's tokens x (G, n, C) -> qkv (G, n, 3, heads, D), every
-    per-token step included (projection, QK norm, rotary). attend(m, q, k, v): the class's own operator
+    heads(m) -> int. project(m, x, args, kwargs, span): this rank's tokens x (G, n, C) -> qkv
+    (G, n, 3, heads, D), every per-token step included (projection, QK norm, rotary); args/kwargs are
+    the rest of the module's call (e.g. Wan's rotary_emb) and span = (start, n) says which of this
+    rank's tokens x holds, so a token-shaped argument can be cut to match. attend(m, q, k, v): the class's own operator
     on grid-shaped (G, T, H, W, h, D) tensors, any subset of heads. output(m, o): (G, n, heads, D) ->
     (G, n, C). dense: the operator is softmax over every key at scale D^-0.5, so it may be computed in
     key chunks and merged by log-sum-exp (sliced Ulysses)."""
 
     heads: Callable[[nn.Module], int]
-    project: Callable[[nn.Module, Tensor], Tensor]
+    project: Callable[..., Tensor]
     attend: Callable[..., Tensor]
     output: Callable[[nn.Module, Tensor], Tensor]
     dense: bool
 
 
-def _grid_project(m: GridAttention, x: Tensor) -> Tensor:
+def _grid_project(m: GridAttention, x: Tensor, args=(), kwargs=None, span=None) -> Tensor:
     g, n, c = x.shape
     return m.qkv(x).view(g, n, 3, m.heads, c // m.heads)  # (G, n, 3, heads, D)
 

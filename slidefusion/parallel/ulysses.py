@@ -93,21 +93,23 @@ class UlyssesHook:
         n, grid = call.site_tokens(self.site.kind)
         local = x.reshape(x.shape[0], -1, x.shape[-1])  # (G, n_r, C)
         out = ulysses_attention(module, self.access, local, call, Split(n, call.comm.size), grid,
-                                f"attn[{self.site.block}]")
+                                f"attn[{self.site.block}]", args, kwargs)
         return out.view(x.shape)
 
 
 def ulysses_attention(module, access: AttentionAccess, x: Tensor, call: UlyssesCall, tokens: Split,
-                      grid: tuple[int, int, int], name: str) -> Tensor:
-    """This rank's tokens x (G, n_r, C) -> the attention output for them (G, n_r, C)."""
+                      grid: tuple[int, int, int], name: str, args=(), kwargs=None) -> Tensor:
+    """This rank's tokens x (G, n_r, C) -> the attention output for them (G, n_r, C); args/kwargs:
+    the rest of the module's call, handed to the access record's `project` with each chunk's span."""
     comm, n = call.comm, call.slices
     heads = Split(access.heads(module), comm.size).sizes
     chunks = [tokens.sub(i, n) for i in range(comm.size)]
     sizes = [[chunks[i][k][1] for i in range(comm.size)] for k in range(n)]  # sizes[k][i]: chunk k of rank i
-    inbound = []
+    inbound, start = [], 0
     for k, part in enumerate(torch.split(x, [s[comm.rank] for s in sizes], dim=1)):
         with call.tracer.span(f"{name} qkv {k}"):
-            qkv = access.project(module, part)  # (G, m, 3, heads, D)
+            qkv = access.project(module, part, args, kwargs or {}, (start, part.shape[1]))  # (G, m, 3, heads, D)
+        start += part.shape[1]
         inbound.append(start_trade(comm, qkv, 3, heads, 1, sizes[k], f"{name} qkv {k}"))
     if n == 1:
         outbound = [_attend_whole(module, access, inbound[0], call, heads, sizes[0], grid, name)]

@@ -4,13 +4,15 @@ build the groups, plan the model, resolve the slice count, attach the runner.
 
 Two runners. `LayerSlices` (dsp, scalefusion, scalefusion-inter) embeds the full latents on every
 rank, keeps its shard, runs the blocks layer by layer in slices with the switches between layouts,
-gathers the tokens and applies the model's own head. `HeadParallel` (ulysses) attaches hooks where
-the blocks and attention modules already sit (shard at the first block, head all-to-alls at each
-attention, gather after the last block) and calls the model's own forward. Either way the sampler
-sees the full velocity on every rank, and the blocks' math is the model's.
+and applies the model's own head to its shard. `HeadParallel` (ulysses) attaches hooks where the
+blocks and attention modules already sit (shard at the first block, head all-to-alls at each
+attention) and calls the model's own forward. Either way the model's token-wise output module runs
+on the shard and only its output is gathered (16 values per token for our models instead of the
+width), so the sampler sees the full velocity on every rank, and the blocks' math is the model's.
 """
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,12 +22,31 @@ from slidefusion.errors import UserError, check
 from slidefusion.parallel import hooks
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.exchange import gather_shards
-from slidefusion.parallel.layout import Split, block_view, shard, to_canonical
+from slidefusion.parallel.layout import FRAMES, Split, block_view, shard, to_canonical
 from slidefusion.parallel.plan import KIND_LAYOUT, SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
 from slidefusion.parallel.records import access_for
 from slidefusion.parallel.switch import Handoff, Switch
 from slidefusion.parallel.trace import Tracer
-from slidefusion.parallel.ulysses import EdgeHook, UlyssesCall, UlyssesHook
+from slidefusion.parallel.ulysses import UlyssesCall, UlyssesHook
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What the output hook needs to gather a LayerSlices call: the last layer's sharded axis."""
+
+    comm: Comm
+    full: tuple[int, ...]  # canonical (B, T, S, C)
+    grid: tuple[int, int, int]
+    axis: int
+    tracer: Tracer
+
+    def gather(self, y: Tensor) -> Tensor:
+        """This rank's block-shaped (.., K) output -> the full (B, T, H, W, K) on every rank."""
+        b, t, s, k = self.full[0], self.full[1], self.full[2], y.shape[-1]
+        local = y.reshape(b, -1, s, k) if self.axis == FRAMES else y.reshape(b, t, -1, k)
+        with self.tracer.span("gather tokens"):
+            out = gather_shards(self.comm, local, self.axis, Split(self.full[self.axis], self.comm.size))
+        return out.reshape(b, *self.grid, k)
 
 
 class LayerSlices:
@@ -35,20 +56,24 @@ class LayerSlices:
         self.model, self.plan, self.schedule, self.comm, self.tracer = model, plan, schedule, comm, tracer
         self.slices = slices
         self.layouts = [KIND_LAYOUT[kind] for kind in plan.kinds]
+        hooks.attach(model.get_submodule(plan.record.output), hooks.GatherHook())
 
     def __call__(self, x: Tensor, t: Tensor, context: Tensor, mask) -> Tensor:
         with self.tracer.span("embed"):
             tokens, c, context = self.model.embed(x, t, context)  # (B, T, H, W, C) on every rank
         b, frames, h, w, width = tokens.shape
-        out = self.run_blocks(to_canonical(tokens), (h, w), c, context, mask)
-        with self.tracer.span("head"):
-            return self.model.head(out.view(b, frames, h, w, width), c)
+        canonical = to_canonical(tokens)
+        local = self.run_blocks(canonical, (h, w), c, context, mask)
+        call = LayerCall(self.comm, tuple(canonical.shape), (frames, h, w), self.layouts[-1], self.tracer)
+        with self.tracer.span("head"), hooks.calling(call):  # the output module gathers its few values
+            return self.model.head(block_view(local, self.layouts[-1], (h, w)), c)
 
     def _slices(self, layout: int) -> int:
         return self.schedule.slices(layout, self.slices)
 
     def run_blocks(self, canonical: Tensor, hw: tuple[int, int], c: Tensor, context: Tensor, mask) -> Tensor:
-        """Canonical tokens (B, T, S, C) of an (H, W) = `hw` frame grid through every block."""
+        """Canonical tokens (B, T, S, C) of an (H, W) = `hw` frame grid through every block; returns
+        this rank's shard of the last layer's output, canonical, along that layer's axis."""
         blocks, layouts, full = self.plan.blocks, self.layouts, tuple(canonical.shape)
         first = shard(canonical, layouts[0], Split(full[layouts[0]], self.comm.size), self.comm.rank)
         incoming = Handoff(layouts[0], self._slices(layouts[0]))
@@ -64,9 +89,7 @@ class LayerSlices:
                     out = self._run_block(block, piece, axis, hw, c, context, mask)
                 outgoing.send(k, out)  # starts this slice's switch while the next slice computes
             incoming = outgoing
-        with self.tracer.span("gather tokens"):
-            return gather_shards(self.comm, incoming.receive(0), layouts[-1],
-                                 Split(full[layouts[-1]], self.comm.size))
+        return incoming.receive(0)
 
     def _outgoing(self, axis: int, after: int, full: tuple[int, ...], name: str):
         if after == axis:
@@ -85,10 +108,8 @@ class HeadParallel:
 
     def __init__(self, model: nn.Module, plan: Plan, comm: Comm, tracer: Tracer, slices: int):
         self.model, self.plan, self.comm, self.tracer, self.slices = model, plan, comm, tracer, slices
-        blocks = plan.blocks
-        for i, block in enumerate(blocks):
-            if i == 0 or i == len(blocks) - 1:
-                hooks.attach(block, EdgeHook(first=i == 0, last=i == len(blocks) - 1))
+        hooks.attach(plan.blocks[0], hooks.ShardHook())
+        hooks.attach(model.get_submodule(plan.record.output), hooks.GatherHook())
         for site in plan.head_sites:
             module = model.get_submodule(site.path)
             hooks.attach(module, UlyssesHook(site, access_for(module)))

@@ -52,3 +52,23 @@ def calling(call):
 def current_call():
     """The record of the parallel call in progress, or None outside one."""
     return _CALL.get()
+
+
+class ShardHook:
+    """On the first block: hand it this rank's shard of the incoming tokens (`call.shard`)."""
+
+    def __call__(self, module: nn.Module, x, *args, **kwargs):
+        call = current_call()
+        if call is None:
+            return stock_forward(module, x, *args, **kwargs)
+        return stock_forward(module, call.shard(x), *args, **kwargs)
+
+
+class GatherHook:
+    """On the model's token-wise output module (our `final`, diffusers' `proj_out`): run it on this
+    rank's shard, then gather its output (`call.gather`), a few values per token instead of the width."""
+
+    def __call__(self, module: nn.Module, *args, **kwargs):
+        out = stock_forward(module, *args, **kwargs)
+        call = current_call()
+        return out if call is None else call.gather(out)

@@ -79,10 +79,13 @@ def access_for(module: nn.Module) -> AttentionAccess:
 
 @dataclass(frozen=True)
 class OwnModel:
-    """The record of one of our own architectures; `paths` maps a block kind to its attention's path."""
+    """The record of one of our own architectures; `paths` maps a block kind to its attention's path;
+    `output` is the token-wise module after the blocks whose output the engine gathers (as diffusers'
+    context-parallel plans gather at `proj_out`)."""
 
     family: str
     paths: dict
+    output: str = "final"
 
     def blocks(self, model) -> list[nn.Module]:
         return list(model.blocks)

@@ -54,7 +54,7 @@ class UlyssesCall:
         return seq.narrow(2, start, length).unsqueeze(3)
 
     def gather(self, y: Tensor) -> Tensor:
-        """This rank's (B, T', L_r, 1, C) -> the full tokens (B, T, H, W, C) on every rank."""
+        """This rank's (B, T', L_r, 1, K) -> the full (B, T, H, W, K) on every rank (K values per token)."""
         b, c = y.shape[0], y.shape[-1]
         with self.tracer.span("gather tokens"):
             full = gather_shards(self.comm, y.squeeze(3), 2, Split(self._length(), self.comm.size))
@@ -66,20 +66,6 @@ class UlyssesCall:
         return (h * w, (1, h, w)) if kind == "spatial" else (t * h * w, (t, h, w))
 
 
-class EdgeHook:
-    """On the first block: shard the incoming tokens; on the last: gather the outgoing ones."""
-
-    def __init__(self, first: bool, last: bool):
-        self.first, self.last = first, last
-
-    def __call__(self, block: nn.Module, x: Tensor, *args, **kwargs):
-        call = current_call()
-        if call is None:
-            return stock_forward(block, x, *args, **kwargs)
-        out = stock_forward(block, call.shard(x) if self.first else x, *args, **kwargs)
-        return call.gather(out) if self.last else out
-
-
 class UlyssesHook:
     """At one attention site: x (G, 1, n_r, 1, C), this rank's tokens of G attention groups."""
 
@@ -88,7 +74,7 @@ class UlyssesHook:
 
     def __call__(self, module: nn.Module, x: Tensor, *args, **kwargs):
         call = current_call()
-        if call is None:
+        if not isinstance(call, UlyssesCall):  # outside a Ulysses call the module runs as it is
             return stock_forward(module, x, *args, **kwargs)
         n, grid = call.site_tokens(self.site.kind)
         local = x.reshape(x.shape[0], -1, x.shape[-1])  # (G, n_r, C)

@@ -8,7 +8,7 @@ from parallel_helpers import random_model, run_sample
 from slidefusion.parallel import hooks
 from slidefusion.parallel.chunked import attention_lse, attention_lse_reference, merge
 from slidefusion.parallel.records import AttentionSite, access_for
-from slidefusion.parallel.ulysses import EdgeHook, UlyssesHook
+from slidefusion.parallel.ulysses import UlyssesHook
 
 
 def qkv(g, mq, mk, h, d, seed=0, dtype=torch.float32):
@@ -46,13 +46,13 @@ def test_hooks_are_inert_outside_a_parallel_call_and_keep_the_state_dict():
     model = random_model("dit3d-5h")
     keys = list(model.state_dict())
     before = run_sample(model, (1, 3, 2, 4, 6))
+    hooks.attach(model.blocks[0], hooks.ShardHook())
+    hooks.attach(model.final, hooks.GatherHook())
     for i, block in enumerate(model.blocks):
-        hooks.attach(block, EdgeHook(first=i == 0, last=i == len(model.blocks) - 1))
         site = AttentionSite(i, f"blocks.{i}.attn", "full")
         hooks.attach(block.attn, UlyssesHook(site, access_for(block.attn)))
     assert hooks.hooked(model.blocks[0].attn) is not None and list(model.state_dict()) == keys
     assert torch.equal(run_sample(model, (1, 3, 2, 4, 6)), before)
-    for block in model.blocks:
-        hooks.detach(block)
-        hooks.detach(block.attn)
+    for module in (model.final, *model.blocks, *(block.attn for block in model.blocks)):
+        hooks.detach(module)
     assert hooks.hooked(model.blocks[0].attn) is None and "forward" not in vars(model.blocks[0].attn)

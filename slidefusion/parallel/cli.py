@@ -110,8 +110,10 @@ def _report(tracers, trace_path) -> None:
 
 def add_simulate_parser(sub) -> None:
     simulate = sub.add_parser("simulate", help="predict parallel schedules' step time (discrete-event model)")
-    simulate.add_argument("--scenario", choices=["paper", "custom"], default="paper",
-                          help="paper: Open-Sora STDiT3-XL/2, 720p, ~16 s, 1/2/4 nodes x 8 A100 (default)")
+    simulate.add_argument("--scenario", choices=["paper", "custom", "full", "calibration"], default="paper",
+                          help="paper: Open-Sora STDiT3-XL/2, 720p, ~16 s, 1/2/4 nodes x 8 A100 (default); "
+                               "full: Wan 2.1 14B and HunyuanVideo 720p under (sliced) Ulysses on H100, 1-32 GPUs, "
+                               "next to xDiT; calibration: the paper's numbers as each P4d assumption moves")
     simulate.add_argument("--model", default="stdit3-xl", help="stdit3-xl or an stdit preset (custom scenario)")
     simulate.add_argument("--frames", type=int, default=102, help="latent frames T (custom)")
     simulate.add_argument("--positions", type=int, default=3600, help="tokens per frame S after patching (custom)")
@@ -128,7 +130,8 @@ def _hardware(args):
 
     from slidefusion.parallel.simulate import HARDWARE
 
-    hw = dataclasses.replace(HARDWARE["a100"], inter_Bps_per_node=args.inter_gbps * 1e9 / 8)
+    profile = HARDWARE["h100" if args.scenario == "full" else "a100"]
+    hw = dataclasses.replace(profile, inter_Bps_per_node=args.inter_gbps * 1e9 / 8)
     if args.calibration:
         path = Path(args.calibration)
         if not path.is_file():
@@ -152,6 +155,8 @@ def cmd_simulate(args) -> None:
     if not nodes or min(nodes) < 1 or args.gpus_per_node < 1:
         raise UserError("--nodes and --gpus-per-node must be >= 1")
     hw = _hardware(args)
+    if args.scenario in ("full", "calibration"):
+        return _simulate_more(args, hw)
     if args.scenario == "paper":
         report = sim.paper_scenario(hw, nodes, args.gpus_per_node)
     else:
@@ -164,4 +169,28 @@ def cmd_simulate(args) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+
+
+def _simulate_more(args, hw) -> None:
+    """--scenario full | calibration (kept apart from the STDiT table above)."""
+    from slidefusion.parallel import simulate as sim
+    from slidefusion.parallel import simulate_full as full
+
+    if args.scenario == "calibration":
+        report = {"steps": sim.calibration_steps(hw), "paper": sim.PAPER}
+        for row in report["steps"]:
+            print(f"{row['assumption']:<62} DSP {100 * row['dsp_comm_share_2_nodes']:4.1f}%  "
+                  f"scalefusion {row['scalefusion_vs_dsp_2_nodes']:.2f}x / inter {row['inter_vs_dsp_2_nodes']:.2f}x  "
+                  f"1->4 nodes {row['scaling_1_to_4_nodes']:.2f}x")
+    else:
+        names = list(full.FULL_MODELS) if args.model == "stdit3-xl" else [args.model]
+        report = {"xdit": full.xdit_check(hw), "models": [full.full_scenario(n, hw, per_node=args.gpus_per_node)
+                                                          for n in names]}
+        for model in report["models"]:
+            print(full.format_full(model))
+        print(full.format_xdit(report["xdit"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {args.json}")

@@ -99,11 +99,15 @@ def _full_costs(model, plan, comm, tokens, c, context) -> FullCosts:
                      slice_overhead_s=max(0.0, qkv_quarter - qkv / 4))
 
 
-def choose_slices(model, plan, schedule, comm, latent_shape, candidates=(1, 2, 4, 8, 16)) -> int:
-    """Slice count for `schedule` on this group from measured block pieces and all-to-all costs."""
-    if comm.size == 1 or not schedule.sliced:
-        return 1
+def measure_costs(model, plan, schedule, comm, latent_shape) -> StepCosts | FullCosts:
+    """This group's simulator costs for `schedule`: measured block pieces (max over ranks) and link."""
     with torch.no_grad():
         tokens, c, context = _probe_inputs(model, latent_shape)
-        costs = (_full_costs if schedule.heads else _layer_costs)(model, plan, comm, tokens, c, context)
-    return best_slices(schedule.name, costs, candidates)
+        return (_full_costs if plan.full else _layer_costs)(model, plan, comm, tokens, c, context)
+
+
+def choose_slices(model, plan, schedule, comm, latent_shape, candidates=(1, 2, 4, 8, 16)) -> int:
+    """Slice count for `schedule` on this group from measured block pieces and all-to-all costs."""
+    if comm.size == 1 or not schedule.sliced or (schedule.heads and not plan.full):
+        return 1  # Ulysses slices full-3D attention only
+    return best_slices(schedule.name, measure_costs(model, plan, schedule, comm, latent_shape), candidates)

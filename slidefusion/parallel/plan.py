@@ -127,7 +127,7 @@ def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
 
 def check_slices(plan: Plan, schedule: Schedule, slices: int | str) -> None:
     """Sliced Ulysses needs full-3D attention (a spatial-temporal model slices by frames instead)."""
-    if schedule.heads and slices != 1 and not plan.full:
+    if schedule.heads and isinstance(slices, int) and slices > 1 and not plan.full:
         raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.family} has spatial/temporal "
                         f"blocks; valid: ulysses --slices 1, or scalefusion / scalefusion-inter")
 

@@ -43,7 +43,8 @@ class LayerCall:
     def gather(self, y: Tensor) -> Tensor:
         """This rank's block-shaped (.., K) output -> the full (B, T, H, W, K) on every rank."""
         b, t, s, k = self.full[0], self.full[1], self.full[2], y.shape[-1]
-        local = y.reshape(b, -1, s, k) if self.axis == FRAMES else y.reshape(b, t, -1, k)
+        # block views: (B, T_r, H, W, K) by frames, (B, T, S_r, 1, K) by positions (T_r may be 0)
+        local = y.reshape(b, y.shape[1], s, k) if self.axis == FRAMES else y.reshape(b, t, y.shape[2], k)
         with self.tracer.span("gather tokens"):
             out = gather_shards(self.comm, local, self.axis, Split(self.full[self.axis], self.comm.size))
         return out.reshape(b, *self.grid, k)

@@ -81,10 +81,11 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
 
 
 def cmd_generate(args) -> None:
-    if getattr(args, "parallel", None):
-        from slidefusion.parallel.cli import generate_parallel
+    from slidefusion.parallel.cli import generate_parallel, reject_parallel_options
 
+    if getattr(args, "parallel", None):
         return generate_parallel(args, lambda a: _pipeline(a, a.checkpoint))
+    reject_parallel_options(args)
     _generate(args.checkpoint, args.prompt, [Path(args.out)], args)
 
 

@@ -1,49 +1,135 @@
 """`parallelize`: the one generic function that reads a plan and a schedule and runs an unchanged
-model sequence-parallel (and optionally CFG-parallel) on a process group.
+model sequence-parallel (and optionally CFG-parallel) on a process group. It reads as a recipe:
+build the groups, plan the model, resolve the slice count, attach the runner.
 
-Every rank embeds the full latents (a cheap patch convolution), keeps its shard, runs the blocks
-layer by layer in slices, gathers the tokens and applies the model's own head, so the sampler sees
-the full velocity on every rank and stays identical everywhere. Only layer outputs move between
-ranks; the blocks' math is the model's.
+Two runners. `LayerSlices` (dsp, scalefusion, scalefusion-inter) embeds the full latents on every
+rank, keeps its shard, runs the blocks layer by layer in slices with the switches between layouts,
+and applies the model's own head to its shard. `HeadParallel` (ulysses) attaches hooks where the
+blocks and attention modules already sit (shard at the first block, head all-to-alls at each
+attention) and calls the model's own forward. Either way the model's token-wise output module runs
+on the shard and only its output is gathered (16 values per token for our models instead of the
+width), so the sampler sees the full velocity on every rank, and the blocks' math is the model's.
 """
+
+import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slidefusion.adapters import adapter_for
 from slidefusion.errors import UserError, check
+from slidefusion.parallel import hooks
 from slidefusion.parallel.comm import Comm
-from slidefusion.parallel.layout import FRAMES, POSITIONS, Split, block_view, local_slices, shard, to_canonical
-from slidefusion.parallel.plan import SCHEDULES, BlockRule, ParallelConfig, plan_for
+from slidefusion.parallel.exchange import gather_shards
+from slidefusion.parallel.layout import FRAMES, Split, block_view, shard, to_canonical
+from slidefusion.parallel.plan import KIND_LAYOUT, SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
+from slidefusion.parallel.records import access_for
 from slidefusion.parallel.switch import Handoff, Switch
 from slidefusion.parallel.trace import Tracer
-from slidefusion.parallel.ulysses import GridShape, ulysses_view
+from slidefusion.parallel.ulysses import UlyssesCall, UlyssesHook
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What the output hook needs to gather a LayerSlices call: the last layer's sharded axis."""
+
+    comm: Comm
+    full: tuple[int, ...]  # canonical (B, T, S, C)
+    grid: tuple[int, int, int]
+    axis: int
+    tracer: Tracer
+
+    def gather(self, y: Tensor) -> Tensor:
+        """This rank's block-shaped (.., K) output -> the full (B, T, H, W, K) on every rank."""
+        b, t, s, k = self.full[0], self.full[1], self.full[2], y.shape[-1]
+        # block views: (B, T_r, H, W, K) by frames, (B, T, S_r, 1, K) by positions (T_r may be 0)
+        local = y.reshape(b, y.shape[1], s, k) if self.axis == FRAMES else y.reshape(b, t, y.shape[2], k)
+        with self.tracer.span("gather tokens"):
+            out = gather_shards(self.comm, local, self.axis, Split(self.full[self.axis], self.comm.size))
+        return out.reshape(b, *self.grid, k)
+
+
+class LayerSlices:
+    """dsp / scalefusion / scalefusion-inter: layers in slices, switches between frames and positions."""
+
+    def __init__(self, model: nn.Module, plan: Plan, schedule: Schedule, comm: Comm, tracer: Tracer, slices: int):
+        self.model, self.plan, self.schedule, self.comm, self.tracer = model, plan, schedule, comm, tracer
+        self.slices = slices
+        self.layouts = [KIND_LAYOUT[kind] for kind in plan.kinds]
+        hooks.attach(model.get_submodule(plan.record.output), hooks.GatherHook())
+
+    def __call__(self, x: Tensor, t: Tensor, context: Tensor, mask) -> Tensor:
+        with self.tracer.span("embed"):
+            tokens, c, context = self.model.embed(x, t, context)  # (B, T, H, W, C) on every rank
+        b, frames, h, w, width = tokens.shape
+        canonical = to_canonical(tokens)
+        local = self.run_blocks(canonical, (h, w), c, context, mask)
+        call = LayerCall(self.comm, tuple(canonical.shape), (frames, h, w), self.layouts[-1], self.tracer)
+        with self.tracer.span("head"), hooks.calling(call):  # the output module gathers its few values
+            return self.model.head(block_view(local, self.layouts[-1], (h, w)), c)
+
+    def _slices(self, layout: int) -> int:
+        return self.schedule.slices(layout, self.slices)
+
+    def run_blocks(self, canonical: Tensor, hw: tuple[int, int], c: Tensor, context: Tensor, mask) -> Tensor:
+        """Canonical tokens (B, T, S, C) of an (H, W) = `hw` frame grid through every block; returns
+        this rank's shard of the last layer's output, canonical, along that layer's axis."""
+        blocks, layouts, full = self.plan.blocks, self.layouts, tuple(canonical.shape)
+        first = shard(canonical, layouts[0], Split(full[layouts[0]], self.comm.size), self.comm.rank)
+        incoming = Handoff(layouts[0], self._slices(layouts[0]))
+        incoming.send(0, first)
+        for i, (block, kind, axis) in enumerate(zip(blocks, self.plan.kinds, layouts)):
+            if i + 1 < len(blocks):
+                outgoing = self._outgoing(axis, layouts[i + 1], full, f"{kind}[{i}]")
+            else:
+                outgoing = Handoff(axis, 1)  # the last layer's slices are joined for the gather
+            for k in range(self._slices(axis)):
+                piece = incoming.receive(k)  # waits on exactly the chunks this slice needs
+                with self.tracer.span(f"{kind}[{i}] slice {k}"):
+                    out = self._run_block(block, piece, axis, hw, c, context, mask)
+                outgoing.send(k, out)  # starts this slice's switch while the next slice computes
+            incoming = outgoing
+        return incoming.receive(0)
+
+    def _outgoing(self, axis: int, after: int, full: tuple[int, ...], name: str):
+        if after == axis:
+            return Handoff(axis, self._slices(after))
+        return Switch(self.comm, full, axis, after, self._slices(axis), self._slices(after), self.schedule.overlap, name)
+
+    @staticmethod
+    def _run_block(block: nn.Module, piece: Tensor, axis: int, hw, c, context, mask) -> Tensor:
+        if piece.numel() == 0:  # a rank holding no frames (T < P) or no positions computes nothing
+            return piece
+        return block(block_view(piece, axis, hw), c, context, mask).reshape(piece.shape)
+
+
+class HeadParallel:
+    """ulysses: hooks on the model where its blocks and attention already sit; calls its own forward."""
+
+    def __init__(self, model: nn.Module, plan: Plan, comm: Comm, tracer: Tracer, slices: int):
+        self.model, self.plan, self.comm, self.tracer, self.slices = model, plan, comm, tracer, slices
+        hooks.attach(plan.blocks[0], hooks.ShardHook())
+        hooks.attach(model.get_submodule(plan.record.output), hooks.GatherHook())
+        for site in plan.head_sites:
+            module = model.get_submodule(site.path)
+            hooks.attach(module, UlyssesHook(site, access_for(module)))
+
+    def __call__(self, x: Tensor, t: Tensor, context: Tensor, mask) -> Tensor:
+        grid = self.plan.record.token_grid(self.model, tuple(x.shape))
+        call = UlyssesCall(self.comm, grid, self.slices, keep_frames=not self.plan.full, tracer=self.tracer)
+        with hooks.calling(call):
+            return self.model(x, t, context, mask)
 
 
 class ParallelDiT(nn.Module):
-    """A VideoDiT run across a process group; call it like the model (x, t, context, mask)."""
+    """A video DiT run across a process group; call it like the model (x, t, context, mask)."""
 
-    def __init__(self, model: nn.Module, config: ParallelConfig, comm: Comm, pair: Comm | None, tracer: Tracer):
+    def __init__(self, model: nn.Module, config: ParallelConfig, runner, slices: int, pair: Comm | None,
+                 tracer: Tracer):
         super().__init__()
-        self.model, self.config, self.comm, self.pair, self.tracer = model, config, comm, pair, tracer
-        self.schedule = SCHEDULES[config.schedule]
-        self.plan = plan_for(model, self.schedule)
-        self.grid = GridShape()
-        self.slices = config.slices if isinstance(config.slices, int) else None  # "auto": chosen on first call
-        adapter = adapter_for(model)
-        self.blocks, self.kinds = adapter.blocks(model), adapter.block_kinds(model)
-        self.runners = [self._runner(i, block, kind) for i, (block, kind) in enumerate(zip(self.blocks, self.kinds))]
-
-    def _runner(self, index: int, block: nn.Module, kind: str) -> nn.Module:
-        rule = self.plan[kind]
-        if self.schedule.heads and rule.grid != "time":  # time attention is local when sharded by positions
-            return ulysses_view(block, rule.attention, rule.grid, self.comm, self.grid, f"{kind}[{index}]")
-        return block
-
-    def layout(self, kind: str) -> int:
-        """Ulysses keeps every block on positions; the sequence-parallel schedules follow the plan."""
-        return POSITIONS if self.schedule.heads else self.plan[kind].layout
+        self.model, self.config, self.runner, self.pair, self.tracer = model, config, runner, pair, tracer
+        self.slices = slices  # resolved: "auto" was measured in parallelize
 
     def token_grid(self, shape):
         return self.model.token_grid(shape)
@@ -51,7 +137,7 @@ class ParallelDiT(nn.Module):
     def forward(self, x: Tensor, t: Tensor, context: Tensor, context_mask: Tensor | None = None) -> Tensor:
         with self.tracer.step():
             if self.pair is None:
-                return self._forward(x, t, context, context_mask)
+                return self.runner(x, t, context, context_mask)
             return self._cfg_forward(x, t, context, context_mask)
 
     def _cfg_forward(self, x, t, context, mask):
@@ -60,69 +146,8 @@ class ParallelDiT(nn.Module):
             raise UserError(f"cfg_parallel needs a cond+uncond batch (guidance != 1); got batch {x.shape[0]}")
         half, side = x.shape[0] // 2, self.pair.rank
         pick = slice(side * half, (side + 1) * half)
-        v = self._forward(x[pick], t[pick], context[pick], None if mask is None else mask[pick])
+        v = self.runner(x[pick], t[pick], context[pick], None if mask is None else mask[pick])
         return torch.cat(self.pair.all_gather(v, "cfg halves"))
-
-    def _forward(self, x, t, context, mask):
-        model = self.model
-        with self.tracer.span("embed"):
-            tokens, c, context = model.embed(x, t, context)  # (B, T, H, W, C) on every rank
-        b, frames, h, w, width = tokens.shape
-        self.grid.hw = (h, w)
-        canonical = to_canonical(tokens)  # (B, T, S, C)
-        if self.slices is None:
-            from slidefusion.parallel.auto import choose_slices
-
-            self.slices = choose_slices(self, canonical, c, context, mask)
-        out = self._run_blocks(canonical, c, context, mask)
-        with self.tracer.span("head"):
-            return model.head(out.view(b, frames, h, w, width), c)
-
-    def _slices(self, layout: int) -> int:
-        return self.schedule.slices(layout, self.slices)
-
-    def _run_blocks(self, canonical: Tensor, c: Tensor, context: Tensor, mask) -> Tensor:
-        blocks, full = self.blocks, tuple(canonical.shape)
-        layouts = [self.layout(kind) for kind in self.kinds]
-        first = shard(canonical, layouts[0], Split(full[layouts[0]], self.comm.size), self.comm.rank)
-        incoming = Handoff(layouts[0], self._slices(layouts[0]))
-        incoming.send(0, first)
-        for i, (block, runner, axis) in enumerate(zip(blocks, self.runners, layouts)):
-            if i + 1 < len(blocks):
-                outgoing = self._outgoing(axis, layouts[i + 1], full, f"{self.kinds[i]}[{i}]")
-            else:
-                outgoing = Handoff(axis, 1)  # the last layer's slices are joined for the gather
-            for k in range(self._slices(axis)):
-                piece = incoming.receive(k)  # waits on exactly the chunks this slice needs
-                with self.tracer.span(f"{self.kinds[i]}[{i}] slice {k}"):
-                    out = self._run_block(runner, piece, axis, c, context, mask)
-                outgoing.send(k, out)  # starts this slice's switch while the next slice computes
-            incoming = outgoing
-        return self._gather(incoming.receive(0), layouts[-1], full)
-
-    def _outgoing(self, axis: int, after: int, full: tuple[int, ...], name: str):
-        if after == axis:
-            return Handoff(axis, self._slices(after))
-        return Switch(self.comm, full, axis, after, self._slices(axis), self._slices(after), self.schedule.overlap, name)
-
-    def _run_block(self, runner: nn.Module, piece: Tensor, axis: int, c, context, mask) -> Tensor:
-        # A rank holding no frames (T < P) or no positions has nothing to compute, unless the block
-        # itself communicates (Ulysses), in which case it must still take part.
-        if piece.numel() == 0 and not self.schedule.heads:
-            return piece
-        out = runner(block_view(piece, axis, self.grid.hw), c, context, mask)
-        return out.reshape(piece.shape)
-
-    def _gather(self, local: Tensor, axis: int, full: tuple[int, ...]) -> Tensor:
-        """Every rank's shard -> the full canonical tokens; shards are padded to one size for gloo."""
-        split = Split(full[axis], self.comm.size)
-        size = max(split.sizes)
-        pad = list(local.shape)
-        pad[axis] = size - local.shape[axis]
-        padded = torch.cat([local, local.new_zeros(pad)], dim=axis)
-        with self.tracer.span("gather tokens", "compute"):
-            pieces = self.comm.all_gather(padded, "gather tokens")
-        return torch.cat([p.narrow(axis, 0, n) for p, n in zip(pieces, split.sizes)], dim=axis)
 
 
 def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | None]:
@@ -143,15 +168,37 @@ def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | No
     return seq, pair
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tracer | None = None) -> ParallelDiT:
-    """Wrap `model` (unchanged, shared parameters) to run across `group` (default: the world)
-    under `config`. Needs an initialised process group; see `launch.init_distributed`."""
+def _resolve_slices(model, plan: Plan, schedule: Schedule, config: ParallelConfig, comm: Comm,
+                    latent_shape) -> int:
+    slices = config.requested_slices
+    check_slices(plan, schedule, slices)
+    if slices != "auto":
+        return slices
+    if latent_shape is None:
+        raise UserError("slices='auto' measures this run's costs first: pass latent_shape=(B, C, T, H, W)")
+    from slidefusion.parallel.auto import choose_slices
+
+    return choose_slices(model, plan, schedule, comm, tuple(latent_shape))
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tracer | None = None,
+                latent_shape: tuple[int, ...] | None = None) -> ParallelDiT:
+    """Run `model` (unchanged, shared parameters) across `group` (default: the world) under `config`.
+
+    Needs an initialised process group (see `launch.init_distributed`). `latent_shape` (B, C, T, H, W),
+    the batch each sequence group sees, is needed only for slices="auto", which is measured here, once.
+    Ulysses attaches in-place hooks that are inert outside a call of the returned module."""
     if not dist.is_initialized():
         raise UserError("parallelize needs torch.distributed initialised; run under torchrun or launch.spawn")
-    import datetime
-
     tracer = tracer or Tracer(rank=dist.get_rank(), enabled=False)
+    schedule = SCHEDULES[config.schedule]
     seq, pair = _groups(config, group, datetime.timedelta(seconds=config.timeout_s))
     comm = Comm(seq, tracer, config.link_delay)
+    plan = plan_for(model, schedule, ranks=comm.size)
+    slices = _resolve_slices(model, plan, schedule, config, comm, latent_shape)
+    if schedule.heads:
+        runner = HeadParallel(model, plan, comm, tracer, slices)
+    else:
+        runner = LayerSlices(model, plan, schedule, comm, tracer, slices)
     pair_comm = None if pair is None else Comm(pair, tracer, config.link_delay)
-    return ParallelDiT(model, config, comm, pair_comm, tracer)
+    return ParallelDiT(model, config, runner, slices, pair_comm, tracer)

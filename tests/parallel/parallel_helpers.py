@@ -11,10 +11,16 @@ from slidefusion.models import build_model, preset
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Models with 5 heads, which 2, 3 and 4 ranks all split unevenly (Ulysses needs ranks <= heads).
+VARIANTS = {"dit3d-5h": ("dit3d-tiny", {"hidden": 40, "heads": 5}),
+            "stdit-5h": ("stdit-tiny", {"hidden": 40, "heads": 5})}
+
+
 def random_model(name: str = "stdit-tiny", seed: int = 0):
     """A model with every weight nonzero (as VideoPipeline.from_preset), so every layer matters."""
     torch.manual_seed(seed)
-    model = build_model(preset(name))
+    base, overrides = VARIANTS.get(name, (name, {}))
+    model = build_model(preset(base, **overrides))
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.02 * torch.randn_like(param))
@@ -42,8 +48,12 @@ def run_cases(rank, world, cases):
     models, out = {}, {}
     for name, model_name, shape, config in cases:
         model = models.setdefault(model_name, random_model(model_name))
+        if config is None:  # the model itself, called after earlier cases hooked it: must be unchanged
+            out[name] = run_sample(model, shape)
+            continue
         try:
-            out[name] = run_sample(parallelize(model, config), shape)
+            batch = 1 if config.cfg_parallel else 2  # what each group's model call sees (CFG doubles)
+            out[name] = run_sample(parallelize(model, config, latent_shape=(batch, *shape[1:])), shape)
         except Exception as error:  # a UserError is an expected answer for some cases
             out[name] = f"{type(error).__name__}: {error}"
     return out

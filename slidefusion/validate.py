@@ -93,7 +93,7 @@ def byte_size(value, key: str | None, *, per_second: bool = False) -> int:
     except (ValueError, KeyError):
         number = math.nan
     if isinstance(value, bool) or not math.isfinite(number) or number < 1:
-        raise UserError(f"{_subject(key, value)} must be a positive finite size such as {example}")
+        raise UserError(f"{_subject(key, value)} must be a size such as {example} (positive and finite)")
     return int(number)
 
 

@@ -7,16 +7,15 @@ crash never leaves a checkpoint that loads half-written; only complete folders c
 
 import json
 import os
-import pickle
 import re
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -128,26 +127,32 @@ def _fsync_dir(folder: Path) -> None:
 def load_checkpoint(path: str | Path, with_state: bool = False) -> Checkpoint:
     """Read a checkpoint folder (or a run folder's latest); UserError if it is missing or broken."""
     folder = resolve_checkpoint(path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        if not isinstance(config, dict):
-            raise UserError(f"checkpoint {folder}: config.json must hold a mapping, not a {type(config).__name__}")
-        model = load_file(folder / "model.safetensors")
-        ema = load_file(folder / "ema.safetensors") if (folder / "ema.safetensors").is_file() else None
-        state = None
-        if with_state:
-            if not (folder / "state.pt").is_file():
-                raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
-            # weights_only: a state.pt is tensors, numbers and dicts; it never runs pickled code
-            state = torch.load(folder / "state.pt", weights_only=True)
-            if not isinstance(state, dict):
-                raise UserError(f"checkpoint {folder}: state.pt holds a {type(state).__name__}, not a training state")
-    except (OSError, ValueError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        if isinstance(error, UserError):
-            raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"checkpoint {folder} cannot be read: {reason}") from None
+    config = _read(folder, "config.json", lambda f: json.loads(f.read_text()))
+    if not isinstance(config, dict):
+        raise UserError(f"checkpoint {folder}: config.json must hold a mapping, not a {type(config).__name__}")
+    model = _read(folder, "model.safetensors", load_file)
+    ema = _read(folder, "ema.safetensors", load_file) if (folder / "ema.safetensors").is_file() else None
+    state = None
+    if with_state:
+        if not (folder / "state.pt").is_file():
+            raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
+        # weights_only: a state.pt is tensors, numbers and dicts; loading it never runs pickled code
+        state = _read(folder, "state.pt", lambda f: torch.load(f, weights_only=True))
+        if not isinstance(state, dict):
+            raise UserError(f"checkpoint {folder}: state.pt holds a {type(state).__name__}, not a training state")
     return Checkpoint(folder, config, model, ema, state)
+
+
+def _read(folder: Path, name: str, reader):
+    """`reader(folder / name)`, with any failure to parse the file as one UserError line: a damaged
+    file can make a parser raise nearly anything (torch's unpickler: IndexError, KeyError, ...)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # parsers' notes about odd input would precede our one line
+            return reader(folder / name)
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"checkpoint {folder} cannot be read: {name}: {reason}") from None
 
 
 def load_matching(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

@@ -124,7 +124,7 @@ def int_list(count: int | None = None, low: int = 1):
             numbers = tuple(validate.integer(p, None, low) for p in parts)
         except UserError:
             raise UserError(f"{value!r} must be {how}comma-separated integers >= {low}, e.g. "
-                            + ",".join(["4"] * (count or 3))) from None
+                            + ",".join(str(max(low, 2**i)) for i in range(count or 3))) from None
         if count is not None and len(numbers) != count:
             raise UserError(f"{value!r} must be {count} comma-separated integers >= {low}")
         return numbers

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from slidefusion import cli_args as types
 from slidefusion.cli_args import positive_int
+from slidefusion.data.shapes import COLORS
 
 
 def cmd_evaluate(args) -> None:
@@ -72,7 +73,7 @@ def add_evaluate_parser(sub) -> None:
     evaluate.add_argument("--frames", type=positive_int, help="frames (default: the training length; 8 for ground truth)")
     evaluate.add_argument("--height", type=positive_int, default=32, help="ground-truth clip height (default 32)")
     evaluate.add_argument("--width", type=positive_int, default=32, help="ground-truth clip width (default 32)")
-    evaluate.add_argument("--max-objects", type=positive_int, default=1, help="objects per held-out scene (default 1)")
+    evaluate.add_argument("--max-objects", type=types.integer(1, len(COLORS)), default=1, help="objects per held-out scene (default 1)")
     evaluate.add_argument("--steps", type=types.integer(1, 10_000), default=20, help="Euler steps (default 20)")
     evaluate.add_argument("--guidance", type=types.guidance, default=4.0, help="0..100 (default 4)")
     evaluate.add_argument("--seed", type=types.seed, default=0, help="video i uses seed SEED + i")

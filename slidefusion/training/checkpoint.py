@@ -137,21 +137,23 @@ def load_checkpoint(path: str | Path, with_state: bool = False) -> Checkpoint:
         if not (folder / "state.pt").is_file():
             raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
         # weights_only: a state.pt is tensors, numbers and dicts; loading it never runs pickled code
-        state = _read(folder, "state.pt", lambda f: torch.load(f, weights_only=True))
+        state = _read(folder, "state.pt", lambda f: torch.load(f, weights_only=True),
+                      reason="not a training state slidefusion wrote (damaged, or another program's file)")
         if not isinstance(state, dict):
             raise UserError(f"checkpoint {folder}: state.pt holds a {type(state).__name__}, not a training state")
     return Checkpoint(folder, config, model, ema, state)
 
 
-def _read(folder: Path, name: str, reader):
-    """`reader(folder / name)`, with any failure to parse the file as one UserError line: a damaged
-    file can make a parser raise nearly anything (torch's unpickler: IndexError, KeyError, ...)."""
+def _read(folder: Path, name: str, reader, reason: str | None = None):
+    """`reader(folder / name)`, with any failure to parse the file as one UserError line (`reason`,
+    or the parser's own first line): a damaged file can make a parser raise nearly anything
+    (torch's unpickler: IndexError, KeyError, ...)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # parsers' notes about odd input would precede our one line
             return reader(folder / name)
     except Exception as error:  # noqa: BLE001 - see the docstring
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = reason or (str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
         raise UserError(f"checkpoint {folder} cannot be read: {name}: {reason}") from None
 
 
@@ -190,8 +192,8 @@ def check_export_destination(source: Path, destination: str | Path, force: bool 
         if target == folder or folder in target.parents:
             raise UserError(f"--out {destination} is inside the checkpoint or run folder {folder}; "
                             "export somewhere else (it must never touch its source)")
-        if target in folder.parents:
-            raise UserError(f"--out {destination} holds the checkpoint {source}; replacing it would delete the source")
+    if target in protected[0].parents:
+        raise UserError(f"--out {destination} holds the checkpoint {source}; replacing it would delete the source")
     if destination.exists() or destination.is_symlink():
         if not destination.is_dir() or destination.is_symlink():
             raise UserError(f"--out {destination} is an existing file or link; export writes a folder, give a new path")

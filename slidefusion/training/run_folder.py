@@ -30,11 +30,13 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.fd: int | None = None
+        self.created: list[Path] = []  # folders acquire made, deepest first
 
     def acquire(self) -> None:
         """Take the lock, or a UserError naming who holds it; creates the folder if needed."""
         import fcntl
 
+        self.created = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -49,9 +51,19 @@ class RunLock:
         self.fd = fd
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor drops the flock
-            self.fd = None
+        """Drop the lock; a folder that acquire created and nothing else wrote into goes again,
+        so a command that fails early leaves no trace."""
+        if self.fd is None:
+            return
+        if self.created and [p.name for p in self.run_dir.iterdir()] == [LOCK_NAME]:
+            (self.run_dir / LOCK_NAME).unlink()
+            for folder in self.created:
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: someone else uses it now
+                    break
+        os.close(self.fd)  # closing the only descriptor drops the flock
+        self.fd = None
 
 
 def remove_stale_temporaries(run_dir: Path, cache_name: str = "captions.safetensors") -> list[str]:

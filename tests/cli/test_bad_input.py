@@ -294,7 +294,7 @@ def _snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("argv, needle", TABLE, ids=[f"{i:03d}" for i in range(len(TABLE))])
+@pytest.mark.parametrize("argv, needle", TABLE, ids=[f"{i:03d} {argv[-50:]}" for i, (argv, _) in enumerate(TABLE)])
 def test_a_malformed_invocation_exits_2_with_one_line(world, argv, needle, capsys, monkeypatch):
     args = shlex.split(argv.format(**world))
     monkeypatch.chdir(world["cwd"])

@@ -14,7 +14,13 @@ import torch
 
 from slidefusion.errors import UserError
 from slidefusion.models import ModelConfig, build_model
-from slidefusion.offload.planner import WORKING_VALUES_PER_TOKEN, Workload, attention_workspace, available_host_memory, human
+from slidefusion.offload.planner import (
+    WORKING_VALUES_PER_TOKEN,
+    Workload,
+    attention_workspace,
+    available_host_memory,
+    human,
+)
 
 FP32 = 4
 KNOWN_ATTENTION = ("dense", "window", "slide")
@@ -57,19 +63,23 @@ def sampling_parts(config: ModelConfig, latent: tuple[int, int, int, int], pixel
 
 
 def training_parts(config: ModelConfig, latent: tuple[int, int, int, int], pixels: tuple[int, int, int],
-                   batch: int, ema: bool) -> dict[str, int]:
-    """Bytes of one resident training step: weights, gradients, AdamW moments (and EMA), the clips,
-    and every block's activations kept for backward."""
+                   batch: int, ema: bool, offload: bool = False) -> dict[str, int]:
+    """Bytes of one training step: weights, gradients, AdamW moments (and EMA), the clips, and every
+    block's activations kept for backward. With `offload` only what the engine's own fit check
+    leaves out: the clips and one block's working set (it recomputes blocks one at a time)."""
     grid = token_grid(config, latent)
     tokens = batch * math.prod(grid)
-    blocks = config.depth * (2 if config.arch == "stdit" else 1)
+    blocks = 1 if offload else config.depth * (2 if config.arch == "stdit" else 1)
     per_block = tokens * config.hidden * (WORKING_VALUES_PER_TOKEN + 3 * config.mlp_ratio) * FP32
-    return {
-        "weights, gradients, AdamW" + (", EMA" if ema else ""): parameter_count(config) * FP32 * (5 if ema else 4),
+    parts = {
         "clips and latents": batch * (3 * math.prod(pixels) + 3 * math.prod(latent)) * FP32,
         "block activations": int(blocks * per_block),
         "attention": blocks * attention_bytes(config, batch, grid),
     }
+    if not offload:
+        kinds = "weights, gradients, AdamW" + (", EMA" if ema else "")
+        parts[kinds] = parameter_count(config) * FP32 * (5 if ema else 4)
+    return parts
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -89,4 +99,5 @@ def check_fits(parts: dict[str, int], device: torch.device, what: str, hint: str
         return
     largest = sorted(parts, key=parts.get, reverse=True)[:3]
     detail = ", ".join(f"{name} {human(parts[name])}" for name in largest)
-    raise UserError(f"{what} needs about {human(total)} ({detail}) but {device} has {human(available)} available; {hint}")
+    raise UserError(f"{what} needs about {human(total)} ({detail}) but {device} has {human(available)} available; "
+                    f"{hint}")

@@ -73,7 +73,8 @@ def add_evaluate_parser(sub) -> None:
     evaluate.add_argument("--frames", type=positive_int, help="frames (default: the training length; 8 for ground truth)")
     evaluate.add_argument("--height", type=positive_int, default=32, help="ground-truth clip height (default 32)")
     evaluate.add_argument("--width", type=positive_int, default=32, help="ground-truth clip width (default 32)")
-    evaluate.add_argument("--max-objects", type=types.integer(1, len(COLORS)), default=1, help="objects per held-out scene (default 1)")
+    evaluate.add_argument("--max-objects", type=types.integer(1, len(COLORS)), default=1,
+                          help="objects per held-out scene (default 1)")
     evaluate.add_argument("--steps", type=types.integer(1, 10_000), default=20, help="Euler steps (default 20)")
     evaluate.add_argument("--guidance", type=types.guidance, default=4.0, help="0..100 (default 4)")
     evaluate.add_argument("--seed", type=types.seed, default=0, help="video i uses seed SEED + i")

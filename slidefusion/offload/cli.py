@@ -7,7 +7,8 @@ from slidefusion import cli_args as types
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser("plan", help="memory plan of offloaded training: does it fit, how fast")
-    plan.add_argument("--model", required=True, metavar="PRESET", type=types.model_preset, help="model preset, e.g. dit3d-105b")
+    plan.add_argument("--model", required=True, metavar="PRESET", type=types.model_preset,
+                      help="model preset, e.g. dit3d-105b")
     plan.add_argument("--frames", type=types.positive_int, required=True, help="video frames (pixels)")
     plan.add_argument("--height", type=types.positive_int, required=True, help="video height in pixels")
     plan.add_argument("--width", type=types.positive_int, required=True, help="video width in pixels")
@@ -19,7 +20,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       help="dense bf16 TFLOP/s of the device (default 990)")
     plan.add_argument("--batch", type=types.positive_int, default=1)
     plan.add_argument("--prefetch", type=types.natural_int, default=1, help="blocks uploading ahead (default 1)")
-    plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8", help="autoencoder stride t,h,w (default 4,8,8)")
+    plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
+                      help="autoencoder stride t,h,w (default 4,8,8)")
     plan.set_defaults(func=cmd_plan)
     return plan
 

@@ -90,7 +90,8 @@ def add_simulate_parser(sub) -> None:
     simulate.add_argument("--frames", type=types.positive_int, default=102, help="latent frames T (custom)")
     simulate.add_argument("--positions", type=types.positive_int, default=3600,
                           help="tokens per frame S after patching (custom)")
-    simulate.add_argument("--nodes", type=types.int_list(), default="1,2,4", help="comma-separated node counts (default 1,2,4)")
+    simulate.add_argument("--nodes", type=types.int_list(), default="1,2,4",
+                          help="comma-separated node counts (default 1,2,4)")
     simulate.add_argument("--gpus-per-node", type=types.positive_int, default=8)
     simulate.add_argument("--inter-gbps", type=types.number(0, low_open=True), default=400.0,
                           help="bandwidth between nodes, Gb/s per node (> 0)")

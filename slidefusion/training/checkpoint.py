@@ -217,8 +217,9 @@ def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.
     bad = first_nonfinite(weights)
     if bad is not None:
         finite_before = torch.isfinite(ckpt.sampling_weights[bad]).all()
-        raise UserError(f"weight {bad} of {ckpt.path} " + (f"does not fit in {dtype} (its range is too small); use --dtype "
-                        "bfloat16 or float32" if finite_before else "holds NaN or infinity; export an earlier checkpoint"))
+        why = (f"does not fit in {dtype} (its range is too small); use --dtype bfloat16 or float32" if finite_before
+               else "holds NaN or infinity; export an earlier checkpoint")
+        raise UserError(f"weight {bad} of {ckpt.path} {why}")
     with atomic_folder(destination) as tmp:
         (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2))
         save_file(contiguous_state(weights), tmp / "model.safetensors", metadata={"source": str(ckpt.path)})

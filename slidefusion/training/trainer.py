@@ -117,12 +117,11 @@ class Trainer:
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
         if latent[0] != config.model.in_channels:
             raise UserError(f"model.in_channels={config.model.in_channels} must equal the autoencoder's latent channels {latent[0]}")
-        offload = config.offload.enabled  # the engine places the weights itself (and checks its own fit)
-        if not offload:
-            parts = memory.training_parts(config.model, latent, (data.frames, data.height, data.width),
-                                          config.run.batch_size, ema=config.optim.ema_decay is not None)
-            memory.check_fits(parts, self.device, "a training step", "lower run.batch_size, data.frames, "
-                              "data.height or data.width, choose a smaller model, or train with --offload")
+        offload = config.offload.enabled  # the engine places the weights itself (and checks their fit)
+        parts = memory.training_parts(config.model, latent, (data.frames, data.height, data.width),
+                                      config.run.batch_size, ema=config.optim.ema_decay is not None, offload=offload)
+        memory.check_fits(parts, self.device, "a training step", "lower run.batch_size, data.frames, data.height "
+                          "or data.width, or choose a smaller model" + ("" if offload else ", or train with --offload"))
         self.dataset = build_dataset(**options)
         encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         self.captions = CaptionCache(encoder, self.run_dir / "captions.safetensors")
@@ -175,8 +174,9 @@ class Trainer:
         """Continue a run exactly where `checkpoint` left it ('latest' = this run's newest)."""
         path = self.run_dir if checkpoint == "latest" else Path(checkpoint)
         ckpt = load_checkpoint(path, with_state=True)
-        if not {"optimizer", "step", "torch_rng"} <= set(ckpt.state):
-            raise UserError(f"--resume {ckpt.path}: its state.pt lacks {', '.join(sorted({'optimizer', 'step', 'torch_rng'} - set(ckpt.state)))}")
+        missing = sorted({"optimizer", "step", "torch_rng"} - set(ckpt.state))
+        if missing:
+            raise UserError(f"--resume {ckpt.path}: its state.pt lacks {', '.join(missing)}")
         try:
             saved = build(TrainConfig, ckpt.config)
         except UserError as error:
@@ -268,10 +268,13 @@ class Trainer:
         weights, naming the step (1-based, as logged) and which of the two it was."""
         optim = self.config.optim
         clip = (f"optim.max_grad_norm={optim.max_grad_norm:g} was set, so clipping did not prevent it"
-                if optim.max_grad_norm is not None else "optim.max_grad_norm is null: setting it (e.g. 1.0) clips the gradients")
-        advice = f"lower optim.lr (now {optim.lr:g}, {lr:.3g} at this step); {clip}; no checkpoint was written from this step"
+                if optim.max_grad_norm is not None
+                else "optim.max_grad_norm is null: setting it (e.g. 1.0) clips the gradients")
+        advice = (f"lower optim.lr (now {optim.lr:g}, {lr:.3g} at this step); {clip}; "
+                  "no checkpoint was written from this step")
         if not math.isfinite(loss):
-            raise NonFiniteError(f"loss became {loss} at step {self.step + 1} although the weights before it were finite; {advice}")
+            raise NonFiniteError(f"loss became {loss} at step {self.step + 1} although the weights before it were "
+                                 f"finite; {advice}")
         bad = first_nonfinite(self.optimizer.model_state_dict())
         if bad is not None:
             raise NonFiniteError(f"the update of step {self.step + 1} made weight {bad} non-finite although its loss "

@@ -118,6 +118,7 @@ CASES = [
     ("train {tiny} text_encoder=''", "text_encoder="), ("train {tiny} model.preset=bogus", "preset 'bogus'"), ("train {tiny} autoencoder=bogus", "bogus"),
     ("train {tiny} data.height=65536 data.width=65536 run.output_dir={cwd}/r", "data.height"),
     ("train {tiny} model.preset=dit3d-105b model.in_channels=3 model.text_dim=384 run.output_dir={cwd}/r", "needs about"),
+    ("train {tiny} --offload data.height=65536 data.width=65536 run.output_dir={cwd}/r", "data.height"),
     # train: resuming, starting points and the run folder
     ("train {tiny} --resume {cwd}/nowhere run.output_dir={cwd}/r", "not found"),
     ("train {tiny} --resume {file} run.output_dir={cwd}/r", "not found"),

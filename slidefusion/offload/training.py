@@ -2,6 +2,7 @@
 
 from torch import nn
 
+from slidefusion.adapters import adapter_for
 from slidefusion.offload.config import DTYPES
 from slidefusion.offload.engine import OffloadEngine
 from slidefusion.offload.planner import Workload, activation_parts
@@ -13,7 +14,8 @@ def offload_optimizer(model: nn.Module, config, tokens: int) -> OffloadEngine:
     dtype = DTYPES[off.compute_dtype]
     work = Workload(batch=run.batch_size, tokens=tokens, attention=_attention_kind(config.model.attention))
     activations = sum(activation_parts(config.model, work, 4 if off.compute_dtype == "float32" else 2).values())
-    return OffloadEngine(model, model.blocks, device=run.device, compute_dtype=dtype, lr=optim.lr, betas=optim.betas,
+    blocks = nn.ModuleList(adapter_for(model).blocks(model))  # call order, whatever the model class
+    return OffloadEngine(model, blocks, device=run.device, compute_dtype=dtype, lr=optim.lr, betas=optim.betas,
                          eps=optim.eps, weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
                          prefetch=off.prefetch, checkpoint=off.checkpoint, activation_bytes=activations)
 

@@ -21,7 +21,7 @@ def _time(fn, repeats: int = 2) -> float:
 
 def _block_seconds(engine, canonical, layout, c, context, mask, fraction=1.0) -> float:
     kind = "spatial" if layout == FRAMES else "temporal"
-    block = next(b for b in engine.model.blocks if b.kind == kind)
+    block = next(b for b, k in zip(engine.blocks, engine.kinds) if k == kind)
     piece = shard(canonical, layout, Split(canonical.shape[layout], engine.comm.size), engine.comm.rank)
     piece = piece.narrow(layout, 0, max(1, int(piece.shape[layout] * fraction))) if piece.shape[layout] else piece
     if piece.numel() == 0:
@@ -52,5 +52,5 @@ def choose_slices(engine, canonical, c, context, mask, candidates=(1, 2, 4, 8, 1
     per_byte = max(t_large - t_small, 1e-12) / ((large - small) * 4 * (engine.comm.size - 1))
     latency = max(t_small - small * 4 * (engine.comm.size - 1) * per_byte, 0.0)
     link = Link(engine.comm.size, engine.comm.size, 1 / per_byte, 1 / per_byte, latency)
-    costs = StepCosts(len(engine.model.blocks) // 2, spatial, temporal, overhead, shard_numel * 4, link)
+    costs = StepCosts(len(engine.blocks) // 2, spatial, temporal, overhead, shard_numel * 4, link)
     return best_slices(engine.config.schedule, costs, candidates)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from slidefusion.adapters import adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.layout import FRAMES, POSITIONS, Split, block_view, local_slices, shard, to_canonical
@@ -30,17 +31,19 @@ class ParallelDiT(nn.Module):
         self.plan = plan_for(model, self.schedule)
         self.grid = GridShape()
         self.slices = config.slices if isinstance(config.slices, int) else None  # "auto": chosen on first call
-        self.runners = [self._runner(i, block) for i, block in enumerate(model.blocks)]
+        adapter = adapter_for(model)
+        self.blocks, self.kinds = adapter.blocks(model), adapter.block_kinds(model)
+        self.runners = [self._runner(i, block, kind) for i, (block, kind) in enumerate(zip(self.blocks, self.kinds))]
 
-    def _runner(self, index: int, block: nn.Module) -> nn.Module:
-        rule = self.plan[block.kind]
+    def _runner(self, index: int, block: nn.Module, kind: str) -> nn.Module:
+        rule = self.plan[kind]
         if self.schedule.heads and rule.grid != "time":  # time attention is local when sharded by positions
-            return ulysses_view(block, rule.attention, rule.grid, self.comm, self.grid, f"{block.kind}[{index}]")
+            return ulysses_view(block, rule.attention, rule.grid, self.comm, self.grid, f"{kind}[{index}]")
         return block
 
-    def layout(self, block: nn.Module) -> int:
+    def layout(self, kind: str) -> int:
         """Ulysses keeps every block on positions; the sequence-parallel schedules follow the plan."""
-        return POSITIONS if self.schedule.heads else self.plan[block.kind].layout
+        return POSITIONS if self.schedule.heads else self.plan[kind].layout
 
     def token_grid(self, shape):
         return self.model.token_grid(shape)
@@ -79,19 +82,19 @@ class ParallelDiT(nn.Module):
         return self.schedule.slices(layout, self.slices)
 
     def _run_blocks(self, canonical: Tensor, c: Tensor, context: Tensor, mask) -> Tensor:
-        blocks, full = list(self.model.blocks), tuple(canonical.shape)
-        layouts = [self.layout(block) for block in blocks]
+        blocks, full = self.blocks, tuple(canonical.shape)
+        layouts = [self.layout(kind) for kind in self.kinds]
         first = shard(canonical, layouts[0], Split(full[layouts[0]], self.comm.size), self.comm.rank)
         incoming = Handoff(layouts[0], self._slices(layouts[0]))
         incoming.send(0, first)
         for i, (block, runner, axis) in enumerate(zip(blocks, self.runners, layouts)):
             if i + 1 < len(blocks):
-                outgoing = self._outgoing(axis, layouts[i + 1], full, f"{block.kind}[{i}]")
+                outgoing = self._outgoing(axis, layouts[i + 1], full, f"{self.kinds[i]}[{i}]")
             else:
                 outgoing = Handoff(axis, 1)  # the last layer's slices are joined for the gather
             for k in range(self._slices(axis)):
                 piece = incoming.receive(k)  # waits on exactly the chunks this slice needs
-                with self.tracer.span(f"{block.kind}[{i}] slice {k}"):
+                with self.tracer.span(f"{self.kinds[i]}[{i}] slice {k}"):
                     out = self._run_block(runner, piece, axis, c, context, mask)
                 outgoing.send(k, out)  # starts this slice's switch while the next slice computes
             incoming = outgoing

@@ -8,6 +8,7 @@ between two layers is cut into (producer slices x consumer slices) chunks, see `
 
 from dataclasses import dataclass
 
+from slidefusion.adapters import adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.parallel.comm import LinkDelay
 from slidefusion.parallel.layout import FRAMES, POSITIONS
@@ -86,14 +87,15 @@ class ParallelConfig:
 
 def plan_for(model, schedule: Schedule) -> dict[str, BlockRule]:
     """The plan of `model`'s architecture, or a UserError if the schedule cannot run it."""
-    arch = model.config.arch
+    adapter = adapter_for(model)
+    arch = adapter.family
     if arch not in PLANS:
         raise UserError(f"model arch {arch!r} has no parallel plan; valid: {', '.join(PLANS)}")
     plan = PLANS[arch]
     if not schedule.heads and any(rule.layout is None for rule in plan.values()):
         raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks (stdit); "
                         f"{arch} attends over the whole grid; valid for {arch}: ulysses")
-    kinds = {block.kind for block in model.blocks}
+    kinds = set(adapter.block_kinds(model))
     unknown = kinds - set(plan)
     check(not unknown, f"blocks of kind {sorted(unknown)} have no rule in the {arch} plan; known: {sorted(plan)}")
     return plan

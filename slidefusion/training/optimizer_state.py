@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from slidefusion.errors import UserError
+from slidefusion.offload.host_state import layout_of, split_groups
+from slidefusion.offload.training import engine_blocks
 
 ENGINE, TORCH = "offload engine", "torch AdamW"
 
@@ -54,37 +56,21 @@ def torch_to_engine(state: dict, model: nn.Module, engine) -> dict:
 def engine_to_torch(state: dict, model: nn.Module, template: dict) -> dict:
     """The engine's saved state as a torch AdamW state of `model`; `template` is the resident
     optimizer's own (fresh) `state_dict()`, which supplies `param_groups`."""
-    names = [name for name, _ in model.named_parameters()]
-    entries = {}
-    for group_name, group in state["groups"].items():
-        entries.update({name: (group_name, offset, shape) for name, offset, shape in _layout(model, group_name, group)})
-    missing = [n for n in names if n not in entries]
-    if missing:
-        raise UserError(f"the saved offload state has no moments for {missing[0]}; it cannot be converted")
+    entries = {}  # parameter name -> (group name, Entry), laid out as the engine lays them out
+    per_block, rest = split_groups(model, engine_blocks(model))
+    for group_name, named in [*((f"blocks[{i}]", n) for i, n in enumerate(per_block)), ("rest", rest)]:
+        layout = layout_of(named)
+        saved = state["groups"].get(group_name)
+        if saved is None or saved["exp_avg"].numel() != layout.numel:
+            raise UserError(f"the saved offload state's group {group_name} does not fit this model; it cannot be converted")
+        entries.update({entry.name: (group_name, entry) for entry in layout.entries})
     per_param = {}
-    for i, name in enumerate(names):
-        group_name, offset, shape = entries[name]
-        numel = int(torch.Size(shape).numel())
-        flat = state["groups"][group_name]
+    for i, (name, _) in enumerate(model.named_parameters()):
+        if name not in entries:
+            raise UserError(f"the saved offload state has no moments for {name}; it cannot be converted")
+        group_name, entry = entries[name]
+        flat, span = state["groups"][group_name], slice(entry.offset, entry.offset + entry.numel)
         per_param[i] = {"step": torch.tensor(float(state["step"])),
-                        **{key: flat[key][offset:offset + numel].view(shape).clone() for key in ("exp_avg", "exp_avg_sq")}}
+                        **{key: flat[key][span].view(entry.shape).clone() for key in ("exp_avg", "exp_avg_sq")}}
     param_groups = [dict(group, lr=float(state["lr"])) for group in template["param_groups"]]
     return {"state": per_param, "param_groups": param_groups}
-
-
-def _layout(model: nn.Module, group_name: str, group: dict):
-    """(name, offset, shape) of each parameter in an engine group, rebuilt as the engine lays them
-    out: a block's parameters in `named_parameters` order, and the rest in model order."""
-    params = dict(model.named_parameters())
-    if group_name.startswith("blocks[") and group_name.endswith("]"):
-        prefix = f"blocks.{int(group_name[7:-1])}."
-        names = [n for n in params if n.startswith(prefix)]
-    else:
-        names = [n for n in params if not n.startswith("blocks.")]
-    offset = 0
-    for name in names:
-        yield name, offset, tuple(params[name].shape)
-        offset += params[name].numel()
-    if offset != group["master"].numel():
-        raise UserError(f"the saved offload group {group_name} holds {group['master'].numel()} values; this model "
-                        f"needs {offset}; it cannot be converted")

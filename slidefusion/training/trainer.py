@@ -177,6 +177,10 @@ class Trainer:
         missing = sorted({"optimizer", "step", "torch_rng"} - set(ckpt.state))
         if missing:
             raise UserError(f"--resume {ckpt.path}: its state.pt lacks {', '.join(missing)}")
+        newer = [step for step in checkpoint_steps(self.run_dir) if step > int(ckpt.state["step"])]
+        if newer:  # going on from here would write over them, and `latest` would mix two histories
+            raise UserError(f"--resume {ckpt.path}: {self.run_dir} holds newer checkpoints (checkpoint-{max(newer)}) "
+                            "that the run would write over; resume latest, or move them away first")
         try:
             saved = build(TrainConfig, ckpt.config)
         except UserError as error:

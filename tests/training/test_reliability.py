@@ -1,6 +1,7 @@
 """What a run does when things go wrong: NaN stops, locks, stale temporaries, resumes that changed."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -92,7 +93,8 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     straight = Trainer(_config(tmp_path / "a", "run.steps=6", "run.save_every=3"), quiet=True)
     straight.train()
     first = Trainer(_config(tmp_path / "b", "run.steps=6", "run.save_every=3"), quiet=True)
-    first.train(until=5)  # steps 4 and 5 are logged past the last checkpoint, as when killed there
+    first.train(until=5)
+    shutil.rmtree(first.run_dir / "checkpoint-5")  # as if killed before saving: steps 4, 5 logged past checkpoint-3
     with open(first.run_dir / "metrics.jsonl", "a") as log:
         log.write('{"step": 6, "lo')  # a record torn by the kill
     resumed = Trainer(_config(tmp_path / "b", "run.steps=6", "run.save_every=3"), quiet=True)
@@ -136,6 +138,12 @@ def test_resume_converts_the_optimizer_state_when_offload_is_switched(tmp_path, 
     assert head.losses + resumed.train().losses == losses  # fp32: the engine is torch's AdamW bit for bit
     weights = resumed.optimizer.model_state_dict()
     assert all(torch.equal(weights[k], v) for k, v in straight.model.state_dict().items())
+
+
+def test_resuming_an_older_checkpoint_never_writes_over_newer_ones(tmp_path):
+    Trainer(_config(tmp_path, "run.steps=3", "run.save_every=1", "run.keep_last=null"), quiet=True).train()
+    with pytest.raises(UserError, match=r"holds newer checkpoints \(checkpoint-3\) that the run would write over"):
+        Trainer(_config(tmp_path, "run.steps=3"), quiet=True).resume(tmp_path / "t" / "checkpoint-1")
 
 
 def test_resume_warns_when_the_data_changed(tmp_path):

@@ -8,6 +8,7 @@ any model is loaded. A new flag picks its type here instead of checking its valu
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from slidefusion import validate
 from slidefusion.errors import UserError
@@ -101,8 +102,6 @@ text = arg_type("text", _text)
 
 
 def _existing_file(value: str) -> str:
-    from pathlib import Path
-
     path = Path(value)
     if not path.exists():
         raise UserError(f"{value!r} does not exist")

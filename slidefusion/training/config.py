@@ -41,6 +41,7 @@ class DataConfig:
         for name in ("frames", "height", "width", "num_samples", "max_objects", "stride", "fps"):
             value = getattr(self, name)
             check(value >= 1, f"data.{name}={value} must be >= 1")
+        check(self.fps <= 1000, f"data.fps={self.fps} must be <= 1000 (the playback rate of exported videos)")
         check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
         check(self.kind != "folder" or self.root, "data.root must name the video folder when data.kind=folder")
 

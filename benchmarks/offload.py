@@ -34,8 +34,9 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slidefusion.models import build_model, preset
-from slidefusion.offload import OffloadEngine, kernels
-from slidefusion.offload.adam import AdamWConfig, adamw_parallel_
+from slidefusion.offload import OffloadEngine, OffloadPolicy, kernels
+from slidefusion.offload.adam import adamw_parallel_
+from slidefusion.optim import OptimConfig
 
 RUNNERS = {"resident": None, "resident, fused AdamW": None, "offloaded": {}, "offloaded+clip": {"max_grad_norm": 1.0},
            "offloaded, no prefetch": {"prefetch": 0}}
@@ -135,13 +136,15 @@ def bench_step(args) -> dict:
     dtype = getattr(torch, args.dtype)
     batch = _batch(args, args.device)
     runners = {}
-    options = {"device": args.device, "compute_dtype": dtype, "lr": 1e-4}
     for name in args.runners:
         if name.startswith("resident"):
             runners[name] = Resident(_model(args), args.device, dtype, fused=True if "fused" in name else None)
         elif not name.endswith("no prefetch") or torch.device(args.device).type == "cuda":
             model = _model(args)  # (on CPU "no prefetch" shows nothing: copies and compute share cores)
-            runners[name] = OffloadEngine(model, model.blocks, **options, **RUNNERS[name])
+            options = dict(RUNNERS[name])
+            optim = OptimConfig(lr=1e-4, max_grad_norm=options.pop("max_grad_norm", None), warmup_steps=0, ema_decay=None)
+            policy = OffloadPolicy(device=args.device, compute_dtype=dtype, optim=optim, **options)
+            runners[name] = OffloadEngine(model, model.blocks, policy)
     times, peak = {name: [] for name in runners}, {name: 0 for name in runners}
     cuda = torch.device(args.device).type == "cuda"
     for repeat in range(args.repeats + 1):  # alternate the runners; the first round warms up
@@ -171,12 +174,12 @@ def bench_step(args) -> dict:
         if isinstance(runner, OffloadEngine):
             stats = runner.stats
             result["engine"][name] = {
-                "optimizer_s_per_step": stats["optimizer_s"] / stats["steps"],
-                "exposed_optimizer_s_per_step": stats["exposed_optimizer_s"] / stats["steps"],
-                "exposed_fraction": stats["exposed_optimizer_s"] / max(stats["optimizer_s"], 1e-12),
-                "exposed_transfer_s_per_step": stats["exposed_transfer_s"] / stats["steps"],
-                "h2d_bytes_per_step": stats["h2d_bytes"] / stats["steps"], "d2h_bytes_per_step": stats["d2h_bytes"] / stats["steps"],
-                "peak_device_param_bytes": stats["peak_device_param_bytes"]}
+                "optimizer_s_per_step": stats.optimizer_s / stats.steps,
+                "exposed_optimizer_s_per_step": stats.exposed_optimizer_s / stats.steps,
+                "exposed_fraction": stats.exposed_optimizer_s / max(stats.optimizer_s, 1e-12),
+                "exposed_transfer_s_per_step": stats.exposed_transfer_s / stats.steps,
+                "h2d_bytes_per_step": stats.h2d_bytes / stats.steps, "d2h_bytes_per_step": stats.d2h_bytes / stats.steps,
+                "peak_device_param_bytes": stats.peak_device_param_bytes}
             runner.close()
     base = result["median_s"].get("resident")
     result["ratio_to_resident"] = {name: s / base for name, s in result["median_s"].items()} if base else {}
@@ -211,7 +214,7 @@ def _alternating(fns: dict, repeats: int) -> dict:
 
 def bench_optimizer(args) -> dict:
     n = int(args.params)
-    cfg = AdamWConfig(lr=1e-4, weight_decay=0.01)
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.01)
     p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
     g16, c16, g32, c32 = torch.randn(n).bfloat16(), torch.empty(n, dtype=torch.bfloat16), torch.randn(n), torch.empty(n)
     fns, moved = {}, {}  # name -> callable, bytes moved per parameter

@@ -120,17 +120,30 @@ class Worker:
 
 
 class ThreadCopier:
-    """Copies on a background thread (CPU 'device'): `copy(dst, src, after) -> Handle`."""
+    """Copies on a background thread (CPU 'device'): `copy(dst, src, after) -> Handle`.
+
+    `set_bandwidth(bytes_per_s)` makes each copy last at least bytes / bandwidth, like a link of
+    that speed: benchmarks use it to build a transfer-bound configuration on a CPU."""
 
     def __init__(self, name: str):
         self.worker = Worker(name)
         self.host_wait_s = 0.0  # never blocks the submitter: dependencies wait on the worker
+        self.bytes_per_s: float | None = None
 
     def set_jitter(self, jitter: Callable[[], None]) -> None:
         self.worker.jitter = jitter
 
+    def set_bandwidth(self, bytes_per_s: float | None) -> None:
+        self.bytes_per_s = bytes_per_s
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
-        return self.worker.submit(lambda: dst.copy_(src), after)
+        return self.worker.submit(lambda: self._copy(dst, src), after)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        start = time.perf_counter()
+        dst.copy_(src)
+        if self.bytes_per_s:
+            time.sleep(max(0.0, src.numel() * src.element_size() / self.bytes_per_s - (time.perf_counter() - start)))
 
     def marker(self) -> Handle:
         """The point the compute stream has reached; CPU compute is synchronous, so: now."""
@@ -143,10 +156,11 @@ class ThreadCopier:
 class CudaCopier:
     """Copies on a dedicated CUDA stream; dependencies become stream waits, not host waits."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, piece_bytes: int = 256 << 20):
         self.stream = torch.cuda.Stream(device=device)
         self.jitter: Callable[[], None] = no_jitter
         self.host_wait_s = 0.0  # time the submitter blocked on host-side (thread) dependencies
+        self.piece_bytes = piece_bytes  # = the page-locking chunk: no copy spans two locked ranges
 
     def set_jitter(self, jitter: Callable[[], None]) -> None:
         self.jitter = jitter  # runs in the submitting thread: delays the issue of the copy
@@ -160,8 +174,10 @@ class CudaCopier:
                 dependency.synchronize()
                 self.host_wait_s += time.perf_counter() - start
         self.jitter()
+        piece = max(1, self.piece_bytes // src.element_size())
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+            for start in range(0, src.numel(), piece):  # copies start at a host buffer's base
+                dst[start:start + piece].copy_(src[start:start + piece], non_blocking=True)
             return CudaHandle(self.stream)
 
     def marker(self) -> Handle:
@@ -171,5 +187,5 @@ class CudaCopier:
         self.stream.synchronize()
 
 
-def make_copier(name: str, device: torch.device):
-    return CudaCopier(name, device) if device.type == "cuda" else ThreadCopier(name)
+def make_copier(name: str, device: torch.device, piece_bytes: int = 256 << 20):
+    return CudaCopier(name, device, piece_bytes) if device.type == "cuda" else ThreadCopier(name)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from slidefusion.models import build_model, preset
-from slidefusion.offload import OffloadEngine
+from slidefusion.offload import OffloadEngine, OffloadPolicy
+from slidefusion.optim import OptimConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -27,8 +28,8 @@ def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm):
             param.add_(0.02 * torch.randn_like(param))
     reference = copy.deepcopy(model).cuda()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
-    engine = OffloadEngine(model, model.blocks, device="cuda", compute_dtype=torch.float32, lr=3e-3, weight_decay=0.1,
-                           max_grad_norm=max_grad_norm, prefetch=1)
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=0, ema_decay=None)
+    engine = OffloadEngine(model, model.blocks, OffloadPolicy(device="cuda", compute_dtype=torch.float32, optim=optim))
     engine.inject_delays(delays, seed=1)
     for step in range(20):
         optimizer.zero_grad()
@@ -42,5 +43,5 @@ def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm):
     for name, value in reference.state_dict().items():
         error = (weights[name].cuda() - value).norm() / value.norm().clamp_min(1e-12)
         assert error < 1e-3, name  # GPU kernels are not bitwise reproducible across graphs
-    assert engine.stats["peak_device_param_bytes"] <= 2 * max(
+    assert engine.stats.peak_device_param_bytes <= 2 * max(
         sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4 + sum(p.numel() for p in model.parameters()) * 4

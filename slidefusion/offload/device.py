@@ -1,0 +1,112 @@
+"""The device side of the weights: resident groups, streamed blocks, and the gradient buffers.
+
+Resident groups (the rest of the model, and the last `resident_blocks` blocks) own a device buffer
+that is never streamed: after each update of such a group the optimizer thread issues one upload
+of its new compute copy ("refresh"), and the next use waits for it. The other blocks stream through
+the `BlockStreamer`'s prefetch + 1 slots, twice per step (forward, and backward recompute).
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from slidefusion.errors import UserError
+from slidefusion.offload.layout import REST
+from slidefusion.offload.streamer import BlockStreamer
+from slidefusion.offload.transfer import DONE, Handle
+
+
+class DeviceWeights:
+    """Where each block's weights are on the device during a pass, and their refresh after updates."""
+
+    def __init__(self, state, policy, h2d, updated: Callable[[int], Handle]):
+        self.state, self.h2d = state, h2d
+        device, dtype, n = policy.torch_device, policy.compute_dtype, len(state.blocks)
+        self.resident = [REST, *range(n - policy.resident_blocks, n)]
+        self.streamed = [b for b in range(n) if b not in self.resident]
+        self.buffers = {key: torch.empty(state.groups[key].numel, dtype=dtype, device=device) for key in self.resident}
+        self.refreshed: dict[int, Handle] = {key: DONE for key in self.resident}
+        self.refresh_bytes, self.wait_s = 0, 0.0  # the resident groups' uploads, and compute's waits on them
+        largest = max((state.blocks[b].numel for b in self.streamed), default=0)
+        self.slots = [torch.empty(largest, dtype=dtype, device=device) for _ in range(policy.prefetch + 1)] if self.streamed else []
+        sources = [state.blocks[b].compute for b in self.streamed]
+        self.streamer = BlockStreamer(h2d, sources, self.slots, lambda k: (updated(self.streamed[k]),))
+        self.position: dict[int, int] = {}
+        self.upload_all()
+
+    def upload_all(self) -> None:
+        """Every resident group's whole compute copy (frozen part included), waited for."""
+        for key, buffer in self.buffers.items():
+            self.h2d.copy(buffer, self.state.groups[key].compute, (self.h2d.marker(),)).synchronize()
+            self.refreshed[key] = DONE
+        self.streamer.holds = [None] * len(self.slots)  # nothing in the pool is current any more
+
+    def begin_pass(self, forward: bool) -> None:
+        """Start the forward pass (blocks in call order) or the backward pass (reversed)."""
+        order = list(range(len(self.streamed)))
+        self.streamer.start(order if forward else order[::-1], reuse=not forward)
+        self.position = {block: k for k, block in enumerate(self.streamed if forward else self.streamed[::-1])}
+        if forward:
+            self.refreshed[REST].wait()
+            self.state.rest.bind(self.buffers[REST])
+
+    def acquire(self, block: int) -> torch.Tensor:
+        """The flat device weights of `block`, once they have landed."""
+        if block in self.buffers:
+            start = time.perf_counter()
+            self.refreshed[block].wait()
+            self.wait_s += time.perf_counter() - start
+            return self.buffers[block]
+        return self.streamer.acquire(self.position[block])
+
+    def release(self, block: int) -> None:
+        if block not in self.buffers:
+            self.streamer.release(self.position[block])
+
+    def refresh(self, key: int, after: tuple[Handle, ...]) -> None:
+        """On the optimizer thread, once `key`'s update is written: upload its trainable part."""
+        if key in self.buffers:
+            group = self.state.groups[key]
+            self.refreshed[key] = self.h2d.copy(self.buffers[key][:group.n_train], group.compute[:group.n_train], after)
+            self.refresh_bytes += group.n_train * group.compute.element_size()
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def reserved_bytes(self) -> int:
+        return self.resident_bytes() + sum(s.numel() * s.element_size() for s in self.slots)
+
+
+class GradientShipper:
+    """Gradients to the host: gathered into one of two device buffers (one filling while the other
+    drains) and copied on the d2h stream into the update strategy's staging buffer."""
+
+    def __init__(self, state, policy, d2h, strategy):
+        largest = max(g.n_train for g in state.groups.values())
+        device, dtype = policy.torch_device, policy.compute_dtype
+        self.buffers = [torch.empty(largest, dtype=dtype, device=device) for _ in range(2)]
+        self.free: list[Handle] = [DONE, DONE]
+        self.turn, self.d2h, self.strategy = 0, d2h, strategy
+        self.bytes, self.wait_s = 0, 0.0
+
+    def ship(self, group, grads: list, step: int, lr: float) -> None:
+        """Send `group`'s trainable gradients (one per parameter, in layout order) to its update."""
+        if group.n_train == 0:
+            return
+        turn, self.turn = self.turn, 1 - self.turn
+        self.free[turn].wait()  # the previous copy out of this buffer has finished
+        flat = self.buffers[turn][:group.n_train]
+        for entry, view, grad in zip(group.layout.entries, group.layout.views(flat), grads):
+            if grad is None:  # torch.optim skips such a parameter and keeps a per-parameter step count
+                raise UserError(f"parameter {entry.name} got no gradient from loss_fn; set requires_grad=False on "
+                                "parameters the loss does not use before building the engine")
+            view.copy_(grad)
+        host, free = self.strategy.staging(group)
+        start = time.perf_counter()
+        free.synchronize()  # the optimizer is done with this staging buffer
+        self.wait_s += time.perf_counter() - start
+        arrived = self.d2h.copy(host, flat, (self.d2h.marker(),))
+        self.free[turn] = arrived
+        self.bytes += flat.numel() * flat.element_size()
+        self.strategy.landed(group, host, arrived, step, lr)

@@ -97,7 +97,7 @@ class GradientShipper:
         turn, self.turn = self.turn, 1 - self.turn
         self.free[turn].wait()  # the previous copy out of this buffer has finished
         flat = self.buffers[turn][:group.n_train]
-        for entry, view, grad in zip(group.layout.entries, group.layout.views(flat), grads):
+        for entry, view, grad in zip(group.layout.entries, group.layout.views(flat, len(group.trainable)), grads):
             if grad is None:  # torch.optim skips such a parameter and keeps a per-parameter step count
                 raise UserError(f"parameter {entry.name} got no gradient from loss_fn; set requires_grad=False on "
                                 "parameters the loss does not use before building the engine")

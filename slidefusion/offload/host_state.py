@@ -60,7 +60,7 @@ class GroupState:
 
     def bind_host(self) -> None:
         """Point the model's parameters at their host views: trainable ones at the master."""
-        trainable = self.layout.views(self.master.value)[:len(self.trainable)]
+        trainable = self.layout.views(self.master.value, len(self.trainable))
         frozen = self.layout.views(self.compute)[len(self.trainable):]
         for view, param in zip(trainable + frozen, self.params):
             if param.is_meta:  # `.data =` cannot change a tensor's type; swap it (the object stays)

@@ -32,9 +32,9 @@ class Layout:
     entries: tuple[Entry, ...]
     numel: int
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter as a view into `flat` (which may be longer than this layout)."""
-        return [flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
+    def views(self, flat: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
+        """The first `count` (default: all) parameters as views into `flat` (which may be longer)."""
+        return [flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries[:count]]
 
 
 def layout_of(named: Named) -> Layout:

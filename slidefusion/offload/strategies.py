@@ -57,7 +57,7 @@ class DeferredClippedUpdate:
         return self.buffers[group.key], self.free[group.key]
 
     def landed(self, group, host, arrived: Handle, step: int, lr: float) -> None:
-        norms, views = self.norms, group.layout.views(host)[:len(group.trainable)]  # this step's dict
+        norms, views = self.norms, group.layout.views(host, len(group.trainable))  # this step's dict
         self.worker.submit(lambda: norms.__setitem__(group.key, parameter_norms(views)), (arrived,))
 
     def end_backward(self, step: int, lr: float, marker: Handle) -> None:

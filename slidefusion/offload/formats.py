@@ -5,8 +5,9 @@
     master bf16 + kahan   4   a bf16 compensation term keeps what rounding dropped (value = hi + lo)
     moments fp32          8   exp_avg, exp_avg_sq
     moments bf16          4   stochastic rounding
-    moments int8          2   + an fp32 absmax per block of <= 2048 values (bitsandbytes' blockwise
-                              dynamic quantization; blocks never straddle two parameters)
+    moments int8          2   + an fp32 absmax per block of <= 2048 values: blockwise dynamic
+                              quantization as in 8-bit Adam (see lean_kernels.c for the map);
+                              blocks never straddle two parameters
 
 Add the compute copy (2 B in bf16) unless it is the master. Frozen parameters hold the compute copy only.
 """

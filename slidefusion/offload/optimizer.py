@@ -3,6 +3,7 @@
 import torch
 
 from slidefusion.offload.adam import adamw_parallel_
+from slidefusion.offload.lean import LeanBuffers, lean_adamw_, seeds
 
 
 def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, policy) -> None:
@@ -18,4 +19,6 @@ def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, 
                         policy.optim, grad_scale=scale, exact=policy.compute_dtype == torch.float32,
                         threads=policy.threads)
         return
-    raise NotImplementedError(f"master={master.kind}, moments={moments.kind}")
+    buffers = LeanBuffers(master.value, master.comp, moments.exp_avg, moments.exp_avg_sq, moments.exp_avg_scale,
+                          moments.exp_avg_sq_scale, moments.starts, grad, None if master.is_compute else group.compute[:n])
+    lean_adamw_(buffers, step, lr, policy.optim, scale, seeds(policy.seed, step, group.key), policy.threads)

@@ -92,3 +92,12 @@ def trainable_bytes_per_param(compute_dtype: torch.dtype, master: str, moments: 
     else:  # bf16: the compute copy itself when that is bf16
         weights = 2 + (0 if compute_dtype == torch.bfloat16 else compute) + (2 if rounding == "kahan" else 0)
     return weights + {"fp32": 8, "bf16": 4, "int8": 2 + 2 * 4 / QBLOCK}[moments]
+
+
+def update_bytes_per_param(compute_dtype: torch.dtype, master: str, moments: str, rounding: str) -> float:
+    """Bytes one AdamW update moves per trainable parameter: the gradient in, master and moments in
+    and out, the compute copy out (unless it is the master)."""
+    compute = torch.finfo(compute_dtype).bits // 8
+    weights = 4 if master == "fp32" else (4 if rounding == "kahan" else 2)
+    separate_copy = master == "fp32" or compute_dtype != torch.bfloat16
+    return compute + 2 * weights + 2 * {"fp32": 8, "bf16": 4, "int8": 2}[moments] + (compute if separate_copy else 0)

@@ -7,6 +7,7 @@ from torch import nn
 from slidefusion.offload.config import DTYPES
 from slidefusion.offload.engine import OffloadEngine
 from slidefusion.offload.planner import Workload, activation_parts, auto_resident_blocks, engine_plan, require_fit
+from slidefusion.offload.shapes import shape_of_config
 from slidefusion.offload.policy import OffloadPolicy
 
 
@@ -25,7 +26,7 @@ def offload_optimizer(model: nn.Module, config, tokens: int) -> OffloadEngine:
     off, run = config.offload, config.run
     policy = offload_policy(config)
     work = Workload(batch=run.batch_size, tokens=tokens, attention=_attention_kind(config.model.attention))
-    activations = sum(activation_parts(config.model, work, policy.compute_bytes).values())
+    activations = sum(activation_parts(shape_of_config(config.model), work, policy.compute_bytes).values())
     if off.resident_blocks == "auto":
         policy = dataclasses.replace(policy, resident_blocks=auto_resident_blocks(model, model.blocks, policy, activations))
     require_fit(engine_plan(model, model.blocks, policy, activations))

@@ -1,9 +1,10 @@
 """The device side of the weights: resident groups, streamed blocks, and the gradient buffers.
 
 Resident groups (the rest of the model, and the last `resident_blocks` blocks) own a device buffer
-that is never streamed: after each update of such a group the optimizer thread issues one upload
-of its new compute copy ("refresh"), and the next use waits for it. The other blocks stream through
-the `BlockStreamer`'s prefetch + 1 slots, twice per step (forward, and backward recompute).
+that is never streamed: after each update the optimizer thread issues one upload of the group's new
+compute copy ("refresh"), at low priority on the copy thread so it fills the link's idle time
+instead of delaying the streamed uploads, and the next use waits for it. The other blocks stream
+through the `BlockStreamer`'s prefetch + 1 slots, twice per step (forward, backward recompute).
 """
 
 import time
@@ -21,13 +22,14 @@ class DeviceWeights:
     """Where each block's weights are on the device during a pass, and their refresh after updates."""
 
     def __init__(self, state, policy, h2d, updated: Callable[[int], Handle]):
-        self.state, self.h2d = state, h2d
+        self.state, self.h2d, self.updated = state, h2d, updated
         device, dtype, n = policy.torch_device, policy.compute_dtype, len(state.blocks)
         self.resident = [REST, *range(n - policy.resident_blocks, n)]
         self.streamed = [b for b in range(n) if b not in self.resident]
         self.buffers = {key: torch.empty(state.groups[key].numel, dtype=dtype, device=device) for key in self.resident}
         self.refreshed: dict[int, Handle] = {key: DONE for key in self.resident}
-        self.refresh_bytes, self.wait_s = 0, 0.0  # the resident groups' uploads, and compute's waits on them
+        self.free: dict[int, Handle] = {key: DONE for key in self.resident}  # the last compute read of each buffer
+        self.refresh_bytes, self.wait_s = 0, 0.0  # the resident groups' uploads, and compute's waits for them
         largest = max((state.blocks[b].numel for b in self.streamed), default=0)
         self.slots = [torch.empty(largest, dtype=dtype, device=device) for _ in range(policy.prefetch + 1)] if self.streamed else []
         sources = [state.blocks[b].compute for b in self.streamed]
@@ -61,15 +63,18 @@ class DeviceWeights:
         return self.streamer.acquire(self.position[block])
 
     def release(self, block: int) -> None:
-        if block not in self.buffers:
+        if block in self.buffers:
+            self.free[block] = self.h2d.marker()  # a refresh may overwrite the buffer after this
+        else:
             self.streamer.release(self.position[block])
 
     def refresh(self, key: int, after: tuple[Handle, ...]) -> None:
         """On the optimizer thread, once `key`'s update is written: upload its trainable part."""
-        if key in self.buffers:
-            group = self.state.groups[key]
-            self.refreshed[key] = self.h2d.copy(self.buffers[key][:group.n_train], group.compute[:group.n_train], after)
-            self.refresh_bytes += group.n_train * group.compute.element_size()
+        if key in self.buffers and self.state.groups[key].n_train:
+            group, n = self.state.groups[key], self.state.groups[key].n_train
+            self.refreshed[key] = self.h2d.copy(self.buffers[key][:n], group.compute[:n], (*after, self.free[key]),
+                                                low=key != REST)
+            self.refresh_bytes += n * group.compute.element_size()
 
     def resident_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

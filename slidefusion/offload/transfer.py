@@ -7,6 +7,7 @@ dedicated copy stream; on CPU it is a job on a background thread, so the orderin
 code in both cases and races show up in CPU tests.
 """
 
+import itertools
 import queue
 import threading
 import time
@@ -77,25 +78,27 @@ class Worker:
     """One background thread running submitted jobs in order; each job gets a `ThreadHandle`.
 
     A job first waits (on this thread) for its `after` handles, so dependencies never block the
-    submitter. `jitter` runs before each job: tests set it to random sleeps to expose races.
+    submitter. `low` jobs run only when no other job is waiting (in order among themselves).
+    `jitter` runs before each job: tests set it to random sleeps to expose races.
     """
 
     def __init__(self, name: str):
         self.jitter: Callable[[], None] = no_jitter
         self.busy_s = 0.0  # seconds spent running jobs (not waiting for dependencies)
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = ()) -> ThreadHandle:
+    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = (), low: bool = False) -> ThreadHandle:
         handle = ThreadHandle()
-        self._jobs.put((job, after, handle))
+        self._jobs.put((int(low), next(self._order), (job, after, handle)))
         return handle
 
     def _run(self) -> None:
         failed: BaseException | None = None
         while True:
-            item = self._jobs.get()
+            item = self._jobs.get()[2]
             if item is None:
                 return
             job, after, handle = item
@@ -115,7 +118,7 @@ class Worker:
                 handle.set(error)
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._jobs.put((2, next(self._order), None))  # after every job
         self._thread.join()
 
 
@@ -136,8 +139,9 @@ class ThreadCopier:
     def set_bandwidth(self, bytes_per_s: float | None) -> None:
         self.bytes_per_s = bytes_per_s
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
-        return self.worker.submit(lambda: self._copy(dst, src), after)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
+        """`low`: after every other copy already waiting (refreshes that must not delay streaming)."""
+        return self.worker.submit(lambda: self._copy(dst, src), after, low)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -165,7 +169,8 @@ class CudaCopier:
     def set_jitter(self, jitter: Callable[[], None]) -> None:
         self.jitter = jitter  # runs in the submitting thread: delays the issue of the copy
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
+        """`low` is a hint a CUDA copy stream cannot honour: its copies run in the order issued."""
         for dependency in after:
             if isinstance(dependency, CudaHandle):
                 self.stream.wait_event(dependency.event)

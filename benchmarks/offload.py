@@ -8,6 +8,8 @@ Measurements, side by side in one run, alternating, after warm-up, medians quote
               foreach=True and fused=True; the fastest of them is "the fastest resident". Offloaded:
               the engine in each host-state mode (master fp32|bf16, moments fp32|bf16|int8), with
               max_grad_norm (deferred updates), with resident blocks, and on CUDA without prefetch.
+              On a CPU device the engine computes from its host buffers in place; "copy threads"
+              is the engine copying through threads as it would over PCIe (the race tests' mode).
   residency   a transfer-bound configuration: the CPU copy threads throttled to --bandwidth, the
               engine with 0, half and all blocks resident.
   optimizer   one AdamW step over N parameters: our kernels in every mode against the bandwidth
@@ -46,9 +48,10 @@ from slidefusion.optim import OptimConfig
 
 RESIDENT = {"resident": {}, "resident, foreach AdamW": {"foreach": True}, "resident, fused AdamW": {"fused": True}}
 OFFLOADED = {"offloaded": {}, "offloaded+clip": {"max_grad_norm": 1.0}, "offloaded, no prefetch": {"prefetch": 0},
+             "offloaded, copy threads": {"zero_copy": False},
              "offloaded, bf16 moments": {"moments": "bf16"}, "offloaded, int8 moments": {"moments": "int8"},
              "offloaded, bf16 master": {"master": "bf16"}, "offloaded, bf16 master + int8": {"master": "bf16", "moments": "int8"},
-             "offloaded, 4 resident blocks": {"resident_blocks": 4}}
+             "offloaded, 4 resident blocks": {"resident_blocks": 4, "zero_copy": False}}
 RUNNERS = [*RESIDENT, *OFFLOADED]
 MODES = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("bf16", "fp32"), ("bf16", "bf16"), ("bf16", "int8"),
          ("kahan", "bf16"), ("kahan", "int8")]
@@ -225,7 +228,7 @@ def bench_residency(args) -> dict:
     """Transfer-bound on a CPU: copies throttled to --bandwidth; 0, half and all blocks resident."""
     bandwidth = parse_bytes(args.bandwidth, "--bandwidth")
     counts = sorted({0, args.depth // 2, args.depth})
-    runners = {f"resident_blocks={n}": _engine(args, {"resident_blocks": n}, bandwidth) for n in counts}
+    runners = {f"resident_blocks={n}": _engine(args, {"resident_blocks": n, "zero_copy": False}, bandwidth) for n in counts}
     medians, _ = _alternate(runners, args, _batch(args, args.device))
     facts = {name: _engine_facts(r) for name, r in runners.items()}
     for runner in runners.values():

@@ -24,9 +24,11 @@ class DeviceWeights:
     def __init__(self, state, policy, h2d, updated: Callable[[int], Handle]):
         self.state, self.h2d, self.updated = state, h2d, updated
         device, dtype, n = policy.torch_device, policy.compute_dtype, len(state.blocks)
-        self.resident = [REST, *range(n - policy.resident_blocks, n)]
+        self.direct = policy.direct  # every group "resident" in its own host buffer: nothing to copy
+        self.resident = [REST, *range(0 if self.direct else n - policy.resident_blocks, n)]
         self.streamed = [b for b in range(n) if b not in self.resident]
-        self.buffers = {key: torch.empty(state.groups[key].numel, dtype=dtype, device=device) for key in self.resident}
+        self.buffers = {key: state.groups[key].compute if self.direct else
+                        torch.empty(state.groups[key].numel, dtype=dtype, device=device) for key in self.resident}
         self.refreshed: dict[int, Handle] = {key: DONE for key in self.resident}
         self.free: dict[int, Handle] = {key: DONE for key in self.resident}  # the last compute read of each buffer
         self.refresh_bytes, self.wait_s = 0, 0.0  # the resident groups' uploads, and compute's waits for them
@@ -39,7 +41,7 @@ class DeviceWeights:
 
     def upload_all(self) -> None:
         """Every resident group's whole compute copy (frozen part included), waited for."""
-        for key, buffer in self.buffers.items():
+        for key, buffer in self.buffers.items() if not self.direct else ():
             self.h2d.copy(buffer, self.state.groups[key].compute, (self.h2d.marker(),)).synchronize()
             self.refreshed[key] = DONE
         self.streamer.holds = [None] * len(self.slots)  # nothing in the pool is current any more
@@ -70,14 +72,14 @@ class DeviceWeights:
 
     def refresh(self, key: int, after: tuple[Handle, ...]) -> None:
         """On the optimizer thread, once `key`'s update is written: upload its trainable part."""
-        if key in self.buffers and self.state.groups[key].n_train:
+        if key in self.buffers and self.state.groups[key].n_train and not self.direct:
             group, n = self.state.groups[key], self.state.groups[key].n_train
             self.refreshed[key] = self.h2d.copy(self.buffers[key][:n], group.compute[:n], (*after, self.free[key]),
                                                 low=key != REST)
             self.refresh_bytes += n * group.compute.element_size()
 
     def resident_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return 0 if self.direct else sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def reserved_bytes(self) -> int:
         return self.resident_bytes() + sum(s.numel() * s.element_size() for s in self.slots)
@@ -88,7 +90,7 @@ class GradientShipper:
     drains) and copied on the d2h stream into the update strategy's staging buffer."""
 
     def __init__(self, state, policy, d2h, strategy):
-        largest = max(g.n_train for g in state.groups.values())
+        largest = 0 if policy.direct else max(g.n_train for g in state.groups.values())  # direct: straight to staging
         device, dtype = policy.torch_device, policy.compute_dtype
         self.buffers = [torch.empty(largest, dtype=dtype, device=device) for _ in range(2)]
         self.free: list[Handle] = [DONE, DONE]
@@ -99,19 +101,27 @@ class GradientShipper:
         """Send `group`'s trainable gradients (one per parameter, in layout order) to its update."""
         if group.n_train == 0:
             return
+        direct = self.buffers[0].numel() == 0
         turn, self.turn = self.turn, 1 - self.turn
         self.free[turn].wait()  # the previous copy out of this buffer has finished
-        flat = self.buffers[turn][:group.n_train]
+        host, free = self.strategy.staging(group)
+        if direct:
+            self._wait(free)
+        flat = host if direct else self.buffers[turn][:group.n_train]
         for entry, view, grad in zip(group.layout.entries, group.layout.views(flat, len(group.trainable)), grads):
             if grad is None:  # torch.optim skips such a parameter and keeps a per-parameter step count
                 raise UserError(f"parameter {entry.name} got no gradient from loss_fn; set requires_grad=False on "
                                 "parameters the loss does not use before building the engine")
             view.copy_(grad)
-        host, free = self.strategy.staging(group)
-        start = time.perf_counter()
-        free.synchronize()  # the optimizer is done with this staging buffer
-        self.wait_s += time.perf_counter() - start
-        arrived = self.d2h.copy(host, flat, (self.d2h.marker(),))
+        if not direct:
+            self._wait(free)
+        arrived = DONE if direct else self.d2h.copy(host, flat, (self.d2h.marker(),))
         self.free[turn] = arrived
-        self.bytes += flat.numel() * flat.element_size()
+        self.bytes += flat.numel() * flat.element_size()  # (direct: written in place, the bytes the update reads)
         self.strategy.landed(group, host, arrived, step, lr)
+
+    def _wait(self, free: Handle) -> None:
+        """Until the optimizer is done with the staging buffer: optimizer time compute cannot hide."""
+        start = time.perf_counter()
+        free.synchronize()
+        self.wait_s += time.perf_counter() - start

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name("adamw_kernels.c"), Path(__file__).with_name("lean_kernels.c")]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 
 
 def _cpu_key() -> str:

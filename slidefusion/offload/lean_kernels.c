@@ -24,6 +24,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512")  /* measured ~20% faster here than gcc's default 256 */
+#endif
+
 #define QB 2048
 #define FRAC 1.06666672229766845703125f    /* 16/15 in fp32: decade fraction from [1/16, 1) to [0, 1) */
 #define UNFRAC 0.9375f                      /* 15/16 */

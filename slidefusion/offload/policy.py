@@ -43,6 +43,8 @@ class OffloadPolicy:
     pin_budget: int | None = None  # most page-locked host bytes (None: no limit); the rest is pageable
     pin_chunk: int = 256 << 20  # bytes page-locked per call: one call never locks a whole model
     seed: int = 0  # of the stochastic rounding streams (a function of seed, step, group, element)
+    zero_copy: bool | None = None  # compute from the host buffers in place (None: on a CPU device, which
+    # has no other memory; False there simulates a device with copy threads, as the race tests do)
 
     def __post_init__(self):
         names = ", ".join(f"torch.{name}" for name in COMPUTE_DTYPES)
@@ -58,7 +60,8 @@ class OffloadPolicy:
               f"optimizer_threads={self.optimizer_threads} must be >= 1")
         check(self.pin_budget is None or self.pin_budget >= 0, f"pin_budget={self.pin_budget} must be >= 0 bytes or None")
         check(self.pin_chunk >= 4096, f"pin_chunk={self.pin_chunk} must be >= 4096 bytes")
-        self.torch_device  # noqa: B018 - validates the device
+        device = self.torch_device  # validates the device
+        check(not (self.zero_copy and device.type != "cpu"), f"zero_copy=True needs device='cpu', not {self.device!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -70,6 +73,11 @@ class OffloadPolicy:
         check(device.type != "cuda" or torch.cuda.is_available(),
               f"device={self.device!r} but CUDA is not available here; use device='cpu'")
         return device
+
+    @property
+    def direct(self) -> bool:
+        """The device computes from the host buffers themselves: no uploads, no downloads."""
+        return self.zero_copy if self.zero_copy is not None else self.torch_device.type == "cpu"
 
     @property
     def threads(self) -> int:

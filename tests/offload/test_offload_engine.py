@@ -64,6 +64,7 @@ def _resident(kind, model, steps, max_grad_norm=None, autocast=False):
 
 def _policy(compute_dtype=torch.float32, max_grad_norm=None, **options) -> OffloadPolicy:
     optim = OptimConfig(lr=LR, weight_decay=WD, max_grad_norm=max_grad_norm, warmup_steps=0, ema_decay=None)
+    options.setdefault("zero_copy", False)  # the copy threads of a real device, where races could hide
     return OffloadPolicy(device="cpu", compute_dtype=compute_dtype, optim=optim, **options)
 
 

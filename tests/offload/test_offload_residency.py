@@ -101,3 +101,11 @@ def test_an_engine_whose_pinning_fails_trains_the_same():
     for step in range(4):
         assert engine.train_step(lambda m, s=step: _loss("dit3d", m, s)) == plain.train_step(lambda m, s=step: _loss("dit3d", m, s))
     assert plain.stats.pinned_bytes == 0  # a CPU device locks nothing
+
+
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 0.05}, {"checkpoint": False}, {"resident_blocks": 2}])
+def test_computing_in_place_on_a_cpu_device_is_bitwise_the_copying_engine(options):
+    copied, copied_weights, _ = _run("dit3d", options.pop("resident_blocks", 0), zero_copy=False, **options)
+    direct, direct_weights, stats = _run("dit3d", 0, delays=0.002, zero_copy=True, **options)
+    assert direct == copied and all(torch.equal(direct_weights[k], v) for k, v in copied_weights.items())
+    assert stats.h2d_bytes == 0 and stats.device_param_bytes_reserved == 0  # nothing was copied

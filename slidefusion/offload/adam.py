@@ -23,6 +23,7 @@ from functools import cache
 import torch
 
 from slidefusion.offload import kernels
+from slidefusion.offload.transfer import serial_torch_here
 from slidefusion.optim import OptimConfig
 
 CHUNK = 1 << 18  # elements per chunk of the torch fallbacks: smaller ones pay per-call overhead
@@ -50,7 +51,7 @@ def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
 @cache
 def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="offload-adamw")
+    return ThreadPoolExecutor(threads, thread_name_prefix="offload-adamw", initializer=serial_torch_here)
 
 
 @torch.no_grad()

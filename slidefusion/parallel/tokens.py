@@ -93,7 +93,7 @@ class Tokens:
         """The output module's output on this rank's positions -> the whole of it on every rank:
         GRID (B, T, H, W, K), ROWS (B*T', L, K)."""
         kind = "spatial" if self.keep_frames else "full"
-        whole = gather_shards(comm, self.canonical(y, kind), POSITIONS, self.split)  # (B, T', L, K)
+        whole = gather_shards(comm, self.canonical(y, kind), POSITIONS, self.split.sizes)  # (B, T', L, K)
         if self.layout == GRID:
             return whole.reshape(self.batch, *self.grid, whole.shape[-1])
         return whole.reshape(self.batch * self.frames, self.length, whole.shape[-1])

@@ -93,7 +93,7 @@ def latent_shape(parts: PretrainedParts, frames: int, height: int, width: int) -
 
 
 def _join(cond: TextConditioning, uncond: TextConditioning) -> TextConditioning:
-    return TextConditioning(torch.cat([cond.states, uncond.states]), torch.cat([cond.mask, uncond.mask]))
+    return TextConditioning(torch.cat([cond.states, uncond.states]), torch.cat([cond.bool_mask(), uncond.bool_mask()]))
 
 
 @torch.no_grad()

@@ -7,11 +7,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from slidefusion import memory, validate
 from slidefusion.diffusion import sample
-from slidefusion.errors import UserError
+from slidefusion.errors import NonFiniteError, UserError
 from slidefusion.models import VideoDiT, build_model, preset
 from slidefusion.text import TextEncoder, build_text_encoder
-from slidefusion.training.checkpoint import load_checkpoint
+from slidefusion.training.checkpoint import first_nonfinite, load_checkpoint
 from slidefusion.training.config import TrainConfig, build
 from slidefusion.vae import Autoencoder, build_autoencoder
 
@@ -28,6 +29,23 @@ def save_latents(path: str | Path, latents: Tensor) -> Path:
     save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
     tmp.replace(path)
     return path
+
+
+def _load_weights(model: VideoDiT, weights: dict[str, Tensor], source: Path) -> None:
+    """Load every weight, or one line saying how the checkpoint's weights and config disagree."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [k for k in own if k in weights and weights[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        first = (missing or unexpected or shapes)[0]
+        raise UserError(f"checkpoint {source}: its weights do not fit the model its config.json describes "
+                        f"({len(missing)} missing, {len(unexpected)} unexpected, {len(shapes)} of another shape; "
+                        f"first: {first}); was model.safetensors copied from another run?")
+    bad = first_nonfinite(weights)
+    if bad is not None:
+        raise UserError(f"checkpoint {source}: weight {bad} holds NaN or infinity; sample from an earlier checkpoint")
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
 
 
 def bundled_checkpoint() -> Path:
@@ -47,10 +65,15 @@ class VideoPipeline:
     def from_checkpoint(cls, path: str | Path | None = None, device: str = "cpu") -> "VideoPipeline":
         """Load a checkpoint folder (a run folder means its latest); None means the bundled model."""
         ckpt = load_checkpoint(path or bundled_checkpoint())
-        config = build(TrainConfig, ckpt.config)
-        device = torch.device(device)
+        try:
+            config = build(TrainConfig, ckpt.config)
+        except UserError as error:
+            raise UserError(f"checkpoint {ckpt.path}: config.json: {error}") from None
+        device = validate.device(device, "device")
+        memory.check_fits({"weights": memory.parameter_count(config.model) * memory.FP32}, device,
+                          f"the model of {ckpt.path}", "use a machine with more memory")
         model = build_model(config.model, device)
-        model.load_state_dict({k: v.float() for k, v in ckpt.sampling_weights.items()})
+        _load_weights(model, ckpt.sampling_weights, ckpt.path)
         return cls.assemble(model, config, device)
 
     @classmethod
@@ -58,8 +81,10 @@ class VideoPipeline:
         """An untrained model with every weight random (zero-initialised layers included), so its
         output depends on every layer: for tests and benchmarks that need no checkpoint."""
         config = TrainConfig(model=preset(name))
-        device = torch.device(device)
-        torch.manual_seed(seed)
+        device = validate.device(device, "device")
+        memory.check_fits({"weights": memory.parameter_count(config.model) * memory.FP32}, device,
+                          f"model preset {name}", "choose a smaller --model")
+        torch.manual_seed(validate.seed(seed, "seed"))
         model = build_model(config.model, device)
         with torch.no_grad():
             for param in model.parameters():
@@ -105,13 +130,22 @@ class VideoPipeline:
             raise UserError(f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
         if any(not p.strip() for p in prompts):
             raise UserError("prompt must be a non-empty text")
-        if guidance < 0:
-            raise UserError(f"guidance={guidance} must be >= 0 (1 = no guidance)")
+        validate.finite(guidance, "guidance", 0)
+        seeds = [validate.seed(s, "seed") for s in seeds]
         data = self.config.data
-        latent = self.autoencoder.latent_shape(frames or data.frames, height or data.height, width or data.width)
+        pixels = (frames or data.frames, height or data.height, width or data.width)
+        latent = self.autoencoder.latent_shape(*pixels)
         self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
+        params = sum(p.numel() for p in self.model.parameters())
+        memory.check_fits(memory.sampling_parts(self.config.model, latent, pixels, len(prompts), params), self.device,
+                          f"sampling {len(prompts)} x {pixels[0]} frames of {pixels[2]}x{pixels[1]}",
+                          "use fewer frames, a smaller size or a smaller batch")
         noise = torch.cat([torch.randn((1, *latent), generator=torch.Generator().manual_seed(s)) for s in seeds])
         cond = self.text_encoder.encode(list(prompts))
         uncond = self.text_encoder.encode([negative_prompt] * len(prompts))
-        return sample(self.model, tuple(noise.shape), cond, uncond, steps=steps, guidance=guidance,
-                      device=self.device, progress=progress, noise=noise)
+        latents = sample(self.model, tuple(noise.shape), cond, uncond, steps=steps, guidance=guidance,
+                         device=self.device, progress=progress, noise=noise)
+        if not torch.isfinite(latents).all():  # a NaN video is never handed on as if it were one
+            raise NonFiniteError(f"sampling produced NaN or infinite latents (guidance={guidance:g}, steps={steps}); "
+                                 "nothing was written; check the checkpoint's weights or lower the guidance")
+        return latents

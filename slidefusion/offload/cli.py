@@ -2,23 +2,26 @@
 
 import argparse
 
-from slidefusion.errors import UserError
+from slidefusion import cli_args as types
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser("plan", help="memory plan of offloaded training: does it fit, how fast")
-    plan.add_argument("--model", required=True, metavar="PRESET", help="model preset, e.g. dit3d-105b")
-    plan.add_argument("--frames", type=int, required=True, help="video frames (pixels)")
-    plan.add_argument("--height", type=int, required=True, help="video height in pixels")
-    plan.add_argument("--width", type=int, required=True, help="video width in pixels")
+    plan.add_argument("--model", required=True, metavar="PRESET", type=types.model_preset,
+                      help="model preset, e.g. dit3d-105b")
+    plan.add_argument("--frames", type=types.positive_int, required=True, help="video frames (pixels)")
+    plan.add_argument("--height", type=types.positive_int, required=True, help="video height in pixels")
+    plan.add_argument("--width", type=types.positive_int, required=True, help="video width in pixels")
     plan.add_argument("--attention", choices=["dense", "window", "slide"], required=True)
-    plan.add_argument("--gpu-memory", default="141GB", help="device memory (default 141GB, an H200)")
-    plan.add_argument("--host-memory", default="1.5TB", help="host memory (default 1.5TB)")
-    plan.add_argument("--pcie", default="55GB/s", help="host<->device bandwidth (default 55GB/s)")
-    plan.add_argument("--tflops", type=float, default=990.0, help="dense bf16 TFLOP/s of the device (default 990)")
-    plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--prefetch", type=int, default=1)
-    plan.add_argument("--vae-stride", default="4,8,8", help="autoencoder stride t,h,w (default 4,8,8)")
+    plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB", help="device memory (default 141GB, an H200)")
+    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", help="host memory (default 1.5TB)")
+    plan.add_argument("--pcie", type=types.bandwidth, default="55GB/s", help="host<->device bandwidth (default 55GB/s)")
+    plan.add_argument("--tflops", type=types.number(0, low_open=True), default=990.0,
+                      help="dense bf16 TFLOP/s of the device (default 990)")
+    plan.add_argument("--batch", type=types.positive_int, default=1)
+    plan.add_argument("--prefetch", type=types.natural_int, default=1, help="blocks uploading ahead (default 1)")
+    plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
+                      help="autoencoder stride t,h,w (default 4,8,8)")
     plan.set_defaults(func=cmd_plan)
     return plan
 
@@ -28,26 +31,16 @@ def cmd_plan(args) -> None:
     from slidefusion.offload.planner import (
         Workload,
         largest_frames,
-        parse_bytes,
         plan_training,
         report,
         tokens_for,
     )
 
-    for name in ("frames", "height", "width", "batch"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name}={getattr(args, name)} must be >= 1")
-    try:
-        stride = tuple(int(s) for s in args.vae_stride.split(","))
-    except ValueError:
-        stride = ()
-    if len(stride) != 3 or min(stride) < 1:
-        raise UserError(f"--vae-stride={args.vae_stride!r} must be three ints >= 1, e.g. 4,8,8")
+    stride = args.vae_stride
     config = preset(args.model)
     tokens = tokens_for(args.frames, args.height, args.width, config.patch_size, stride)
-    sizes = {"gpu_memory": parse_bytes(args.gpu_memory, "--gpu-memory"),
-             "host_memory": parse_bytes(args.host_memory, "--host-memory"),
-             "pcie_bytes_s": parse_bytes(args.pcie, "--pcie"), "tflops": args.tflops, "prefetch": args.prefetch}
+    sizes = {"gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
+             "pcie_bytes_s": args.pcie, "tflops": args.tflops, "prefetch": args.prefetch}
     work = Workload(args.batch, tokens, args.attention)
     plan = plan_training(config, work, **sizes)
     print(report(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height}, {args.attention} attention, "
@@ -62,7 +55,7 @@ def add_offload_options(train: argparse.ArgumentParser) -> None:
     """`slidefusion train --offload [--device D]`: shorthands for config overrides."""
     train.add_argument("--offload", action="store_true",
                        help="train with the offload engine: weights and AdamW state in host memory (offload.enabled=true)")
-    train.add_argument("--device", help="training device, e.g. cuda or cpu (run.device=...)")
+    train.add_argument("--device", type=types.device, help="training device, e.g. cuda or cpu (run.device=...)")
 
 
 def offload_overrides(args) -> list[str]:

@@ -22,23 +22,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slidefusion import validate
 from slidefusion.errors import UserError
 
-UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 WORKING_VALUES_PER_TOKEN = 16  # x hidden, plus 3 x mlp_ratio: the tensors one DiT block's backward holds
 
 
 def parse_bytes(text: str | float, name: str) -> int:
-    """'141GB', '1.5TB', '64GiB', or a plain number of bytes -> bytes (a UserError naming `name`)."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    number = text.strip().upper().rstrip("/S")
-    unit = number.lstrip("0123456789.E+-")
-    value = number[:len(number) - len(unit)]
-    try:
-        return int(float(value) * UNITS[unit.strip()])
-    except (ValueError, KeyError):
-        raise UserError(f"{name}={text!r} must be a size such as 141GB, 1.5TB or 64GiB") from None
+    """'141GB', '1.5TB', '64GiB', '55GB/s', or a plain number of bytes -> bytes >= 1 (a UserError
+    naming `name` otherwise: zero, negative, NaN and infinite sizes are refused, not read as "no limit")."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = repr(text)
+    per_second = str(text).strip().upper().endswith("/S")
+    return validate.byte_size(text, name, per_second=per_second)
 
 
 def human(n: float) -> str:

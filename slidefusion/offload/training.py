@@ -14,10 +14,14 @@ def offload_optimizer(model: nn.Module, config, tokens: int) -> OffloadEngine:
     dtype = DTYPES[off.compute_dtype]
     work = Workload(batch=run.batch_size, tokens=tokens, attention=_attention_kind(config.model.attention))
     activations = sum(activation_parts(config.model, work, 4 if off.compute_dtype == "float32" else 2).values())
-    blocks = nn.ModuleList(adapter_for(model).blocks(model))  # call order, whatever the model class
-    return OffloadEngine(model, blocks, device=run.device, compute_dtype=dtype, lr=optim.lr, betas=optim.betas,
+    return OffloadEngine(model, engine_blocks(model), device=run.device, compute_dtype=dtype, lr=optim.lr, betas=optim.betas,
                          eps=optim.eps, weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
                          prefetch=off.prefetch, checkpoint=off.checkpoint, activation_bytes=activations)
+
+
+def engine_blocks(model: nn.Module) -> nn.ModuleList:
+    """The blocks the engine streams, in call order, whatever the model class (its groups follow them)."""
+    return nn.ModuleList(adapter_for(model).blocks(model))
 
 
 def _attention_kind(name: str) -> str:

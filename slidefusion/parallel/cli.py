@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+from slidefusion import cli_args as types
+from slidefusion import validate
 from slidefusion.errors import UserError
 from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, parse_slices
 
@@ -15,17 +17,24 @@ from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, parse_slices
 PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout"}
 
 
+def _slices(text: str) -> int | str:
+    slices = parse_slices(text)
+    ParallelConfig(slices=slices)  # the range check, in one place
+    return slices
+
+
 def add_parallel_options(generate: argparse.ArgumentParser) -> None:
     group = generate.add_argument_group("parallel inference (run under torchrun --nproc-per-node P)")
     group.add_argument("--parallel", metavar="SCHEDULE", choices=list(SCHEDULES),
                        help=f"run across the torchrun ranks: {', '.join(SCHEDULES)}")
-    group.add_argument("--slices", default=None, metavar="N|auto",
+    group.add_argument("--slices", type=types.arg_type("slices", _slices), default=None, metavar="N|auto",
                        help="slices per switch (scalefusion, scalefusion-inter; default 4) or per Ulysses all-to-all "
                             "(ulysses on full-3D models; default 1 = plain Ulysses)")
     group.add_argument("--cfg-parallel", action="store_true",
                        help="conditional and unconditional halves on two rank groups (even rank count)")
-    group.add_argument("--trace", metavar="PATH", help="write a Chrome trace (compute and transfers per rank)")
-    group.add_argument("--timeout", type=float, default=None, metavar="S",
+    group.add_argument("--trace", metavar="PATH", type=types.output_file(".json"),
+                       help="write a Chrome trace (compute and transfers per rank)")
+    group.add_argument("--timeout", type=types.number(0, low_open=True), default=None, metavar="S",
                        help="seconds before a collective waiting on a dead or stuck rank fails (default 300)")
 
 
@@ -114,15 +123,53 @@ def add_simulate_parser(sub) -> None:
                           help="paper: Open-Sora STDiT3-XL/2, 720p, ~16 s, 1/2/4 nodes x 8 A100 (default); "
                                "full: Wan 2.1 14B and HunyuanVideo 720p under (sliced) Ulysses on H100, 1-32 GPUs, "
                                "next to xDiT; calibration: the paper's numbers as each P4d assumption moves")
-    simulate.add_argument("--model", default="stdit3-xl", help="stdit3-xl or an stdit preset (custom scenario)")
-    simulate.add_argument("--frames", type=int, default=102, help="latent frames T (custom)")
-    simulate.add_argument("--positions", type=int, default=3600, help="tokens per frame S after patching (custom)")
-    simulate.add_argument("--nodes", default="1,2,4", help="comma-separated node counts (default 1,2,4)")
-    simulate.add_argument("--gpus-per-node", type=int, default=8)
-    simulate.add_argument("--inter-gbps", type=float, default=400.0, help="bandwidth between nodes, Gb/s per node")
-    simulate.add_argument("--calibration", metavar="JSON", help="measured rates overriding the A100 profile")
-    simulate.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    simulate.add_argument("--model", default="stdit3-xl", type=types.arg_type("model", _sim_model),
+                          help="stdit3-xl or an stdit preset (custom scenario), or a full-3D model (full scenario)")
+    simulate.add_argument("--frames", type=types.positive_int, default=102, help="latent frames T (custom)")
+    simulate.add_argument("--positions", type=types.positive_int, default=3600,
+                          help="tokens per frame S after patching (custom)")
+    simulate.add_argument("--nodes", type=types.int_list(), default="1,2,4",
+                          help="comma-separated node counts (default 1,2,4)")
+    simulate.add_argument("--gpus-per-node", type=types.positive_int, default=8)
+    simulate.add_argument("--inter-gbps", type=types.number(0, low_open=True), default=400.0,
+                          help="bandwidth between nodes, Gb/s per node (> 0)")
+    simulate.add_argument("--calibration", metavar="JSON", type=types.existing_file,
+                          help="measured rates overriding the A100 profile")
+    simulate.add_argument("--json", metavar="PATH", type=types.output_file(".json"), help="also write the table as JSON")
     simulate.set_defaults(func=cmd_simulate)
+
+
+def _sim_model(name: str) -> str:
+    from slidefusion.parallel.simulate import model_dims
+    from slidefusion.parallel.simulate_full import FULL_MODELS
+
+    if name not in FULL_MODELS:
+        model_dims(name)  # a UserError naming the valid models
+    return name
+
+
+# Calibration keys and their ranges: rates must be positive, times and the slowdown may be 0.
+_RATES = {"flops": (0, True), "intra_Bps": (0, True), "inter_Bps_per_node": (0, True), "latency_s": (0, False),
+          "slice_overhead_s": (0, False), "slowdown": (0, False), "bytes_per_value": (1, False)}
+
+
+def _calibration(path: Path) -> dict:
+    """The --calibration JSON object, every value a finite number in its range."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"--calibration {path} is not a readable JSON file: {error}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--calibration {path} must hold a JSON object of rates, e.g. {{\"flops\": 1.5e14}}")
+    unknown = sorted(set(data) - set(_RATES))
+    if unknown:
+        raise UserError(f"--calibration key {unknown[0]!r} is unknown; valid: {', '.join(sorted(_RATES))}")
+    for key, (low, open_) in _RATES.items():
+        if key in data:
+            data[key] = validate.finite(data[key], f"--calibration {key}", low, low_open=open_)
+    if "bytes_per_value" in data:
+        data["bytes_per_value"] = validate.integer(data["bytes_per_value"], "--calibration bytes_per_value", 1)
+    return data
 
 
 def _hardware(args):
@@ -134,26 +181,14 @@ def _hardware(args):
     hw = dataclasses.replace(profile, inter_Bps_per_node=args.inter_gbps * 1e9 / 8)
     if args.calibration:
         path = Path(args.calibration)
-        if not path.is_file():
-            raise UserError(f"--calibration {path} does not exist")
-        data = json.loads(path.read_text())
-        valid = {f.name for f in dataclasses.fields(hw)} - {"name"}
-        unknown = sorted(set(data) - valid)
-        if unknown:
-            raise UserError(f"--calibration key {unknown[0]!r} is unknown; valid: {', '.join(sorted(valid))}")
-        hw = dataclasses.replace(hw, name=f"calibrated ({path.name})", **data)
+        hw = dataclasses.replace(hw, name=f"calibrated ({path.name})", **_calibration(path))
     return hw
 
 
 def cmd_simulate(args) -> None:
     from slidefusion.parallel import simulate as sim
 
-    try:
-        nodes = tuple(int(n) for n in args.nodes.split(","))
-    except ValueError:
-        raise UserError(f"--nodes={args.nodes!r} must be comma-separated integers, e.g. 1,2,4") from None
-    if not nodes or min(nodes) < 1 or args.gpus_per_node < 1:
-        raise UserError("--nodes and --gpus-per-node must be >= 1")
+    nodes = args.nodes
     hw = _hardware(args)
     if args.scenario in ("full", "calibration"):
         return _simulate_more(args, hw)
@@ -167,9 +202,7 @@ def cmd_simulate(args) -> None:
     report["hardware"] = vars(hw) if not hasattr(hw, "__dataclass_fields__") else __import__("dataclasses").asdict(hw)
     print(sim.format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+        _write_json(Path(args.json), report)
 
 
 def _simulate_more(args, hw) -> None:
@@ -191,6 +224,13 @@ def _simulate_more(args, hw) -> None:
             print(full.format_full(model))
         print(full.format_xdit(report["xdit"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {args.json}")
+        _write_json(Path(args.json), report)
+
+
+def _write_json(path: Path, report: dict) -> None:
+    """Atomically (temp + rename): a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(path)
+    print(f"wrote {path}")

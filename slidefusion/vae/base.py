@@ -10,6 +10,7 @@ so T' = 1 + (T - 1) / temporal_factor, and T must be 1 more than a multiple of t
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,7 +108,9 @@ class DiffusersVideoAutoencoder(Autoencoder):
         from diffusers import AutoModel
 
         try:
-            vae = AutoModel.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+            with warnings.catch_warnings():  # huggingface_hub's deprecation notice is noise before our error
+                warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")
+                vae = AutoModel.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
         except (OSError, ValueError) as err:  # diffusers reports "not on disk" as either
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(f"vae={path} is not available offline: {reason}; {_VALID_VAES}") from None

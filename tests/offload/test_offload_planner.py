@@ -47,4 +47,4 @@ def test_plan_command(capsys):
     out = capsys.readouterr().out
     assert "1.47 TB" in out and "does not fit" in out and "largest clip that fits" in out
     assert main([*args[:-4], "--gpu-memory", "lots"]) == 2
-    assert "--gpu-memory='lots'" in capsys.readouterr().err
+    assert "argument --gpu-memory: 'lots' must be a size" in capsys.readouterr().err

@@ -77,19 +77,25 @@ def encode_prompts(parts: PretrainedParts, prompts: list[str]) -> TextConditioni
     return TextConditioning(states.float(), mask)
 
 
-def latent_shape(parts: PretrainedParts, frames: int, height: int, width: int) -> tuple[int, ...]:
-    """(1, C, T, H, W) latents for a video of `frames` x `height` x `width` pixels, or a UserError."""
-    config = parts.vae.config
+def latent_shape(adapter: ModelAdapter, model: nn.Module, vae_config, frames: int, height: int,
+                 width: int) -> tuple[int, ...]:
+    """(1, C, T, H, W) latents of `model` (meta is enough) for a video of `frames` x `height` x `width`
+    pixels through a VAE of `vae_config` (its config attributes), or a UserError."""
+    config = vae_config
     time = int(getattr(config, "scale_factor_temporal", 1) or 1)
     space = int(getattr(config, "scale_factor_spatial", 0) or 2 ** (len(getattr(config, "block_out_channels", [0])) - 1))
     check(frames >= 1 and (frames - 1) % time == 0,
           f"frames={frames} is not allowed by this VAE; valid: 1 + {time}k (e.g. {1 + 4 * time})")
     check(height % space == 0 and width % space == 0,
           f"height={height} and width={width} must be multiples of the VAE's {space}-pixel latent cell")
-    shape = (1, parts.adapter.latent_channels(parts.transformer), (frames - 1) // time + 1, height // space,
-             width // space)
-    parts.adapter.token_grid(parts.transformer, shape)  # the patch and the family's rules, by name
+    shape = (1, adapter.latent_channels(model), (frames - 1) // time + 1, height // space, width // space)
+    adapter.token_grid(model, shape)  # the patch and the family's rules, by name
     return shape
+
+
+def _latent_shape(parts: PretrainedParts, request: Request) -> tuple[int, ...]:
+    return latent_shape(parts.adapter, parts.transformer, parts.vae.config, request.frames, request.height,
+                        request.width)
 
 
 def _join(cond: TextConditioning, uncond: TextConditioning) -> TextConditioning:
@@ -138,7 +144,7 @@ class Request:
 
 def sample_latents(parts: PretrainedParts, request: Request) -> Tensor:
     """One process or every rank alike: the request's latents (1, C, T, H, W)."""
-    shape = latent_shape(parts, request.frames, request.height, request.width)
+    shape = _latent_shape(parts, request)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(request.seed))
     cond = encode_prompts(parts, [request.prompt])
     uncond = None if request.guidance == 1.0 else encode_prompts(parts, [request.negative_prompt])
@@ -151,7 +157,7 @@ def pretrained_video(parts: PretrainedParts, request: Request, config: ParallelC
     or None), the same on every rank. Parallelizes the folder's transformers in place."""
     from slidefusion.parallel.engine import parallelize
 
-    shape = latent_shape(parts, request.frames, request.height, request.width)
+    shape = _latent_shape(parts, request)
     batch = 1 if request.guidance == 1.0 or config.cfg_parallel else 2
     for model, _ in parts.experts:
         parallelize(model, config, tracer=tracer, latent_shape=(batch, *shape[1:]))
@@ -179,20 +185,36 @@ def _write(latents: Tensor, video: Tensor | None, out: str | None, save_latents:
         write_video(Path(out), video, fps=fps)
 
 
+def check_request(folder: str | Path, request: Request, config: ParallelConfig, world: int | None,
+                  out: str | Path | None = None) -> None:
+    """Every check that needs no process group and no weights: the output path, the folder, the
+    schedule against the model (and `world` ranks), the sizes against the VAE and the patch."""
+    import types
+
+    from slidefusion.data.video_io import check_video_path
+    from slidefusion.pretrained import build_on_meta, open_folder
+    from slidefusion.pretrained.folder import read_json
+
+    if out is not None:
+        check_video_path(Path(out))
+    opened = open_folder(folder)
+    check(opened.is_pipeline, f"pretrained={folder} is a bare transformer folder; generating needs a pipeline "
+                              "folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
+    vae = types.SimpleNamespace(**read_json(opened.component_dir("vae") / "config.json", "VAE config"))
+    for expert in opened.experts():
+        meta = build_on_meta(opened, expert.name)
+        check_fit(meta, config, world)
+        latent_shape(opened.adapter(expert.name), meta, vae, request.frames, request.height, request.width)
+
+
 def generate_pretrained(folder: str | Path, prompt: str, world: int, config: ParallelConfig, *,
                         out: str | Path | None = None, save_latents: str | Path | None = None,
                         decode: bool = True, **request) -> tuple[Tensor, Tensor | None]:
     """Spawn `world` gloo ranks on this machine, each loading `folder`; sample `prompt` under `config`
     and decode split over the ranks. Rank 0 writes `out` (.mp4/.gif) and `save_latents` if given.
     Returns (latents (1, C, T, H, W), video (3, F, H, W) or None). `request`: see `Request`."""
-    from slidefusion.data.video_io import check_video_path
-    from slidefusion.pretrained import build_on_meta, open_folder
-
     req = Request(prompt, **request)
-    if out is not None:
-        check_video_path(Path(out))
-    for expert in open_folder(folder).experts():  # every check that needs no process group, first
-        check_fit(build_on_meta(folder, expert.name), config, world)
+    check_request(folder, req, config, world, out)
     result = spawn(_generate_rank, world, str(folder), req, config, None if out is None else str(out),
                    None if save_latents is None else str(save_latents), decode, timeout_s=config.timeout_s)
     return result[0]

@@ -119,7 +119,6 @@ def generate_pretrained_parallel(args) -> None:
 
 
 def _generate_pretrained(args) -> None:
-
     import torch.distributed as dist
 
     from slidefusion.data.video_io import write_video
@@ -220,6 +219,7 @@ def _calibration(path: Path) -> dict:
 
 
 def _hardware(args):
+    import dataclasses
 
     from slidefusion.parallel.simulate import HARDWARE
 

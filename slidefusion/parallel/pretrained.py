@@ -16,16 +16,14 @@ must reuse that pipeline's loop, so that the single-process `--save-latents` giv
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from slidefusion.adapters import ModelAdapter, TextConditioning
-from slidefusion.errors import UserError, check
+from slidefusion.errors import check
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.decode import decode_video
 from slidefusion.parallel.launch import spawn

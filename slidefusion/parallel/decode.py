@@ -1,4 +1,5 @@
-"""The VAE decode split over the ranks, exactly: spatial tiles after the last global operation.
+"""The VAE decode split over the ranks, exactly: spatial tiles after the last global operation
+(AutoencoderKLWan), or frames (2-D image VAEs such as Latte's AutoencoderKL, which decode each frame alone).
 
 AutoencoderKLWan decodes one latent frame at a time, causally: each causal 3D convolution keeps the
 last frames of its input in a cache that the next frame reads. A split in *time* would need that
@@ -59,8 +60,29 @@ def halo(vae: nn.Module, split: TileSplit, axis: int) -> int:
     return math.ceil(reach - 1e-9)
 
 
+# 2-D image VAEs decode each frame on its own (Latte's pipeline decodes frame by frame): frames split exactly.
+FRAME_VAES = ("AutoencoderKL",)
+
+
 def can_split(vae: nn.Module) -> bool:
     return type(vae).__name__ in VAE_SPLITS
+
+
+def frames_decode(vae: nn.Module, latents: Tensor, comm: Comm | None) -> Tensor:
+    """A 2-D VAE on latents (B, C, T, H, W), frame by frame -> (B, 3, T, H', W'); with `comm`, each
+    rank decodes its share of the B*T frames and the frames are gathered."""
+    b, c, t, h, w = latents.shape
+    frames = latents.transpose(1, 2).reshape(b * t, c, h, w)
+    if comm is None or comm.size == 1:
+        out = vae.decode(frames, return_dict=False)[0]
+    else:
+        split = Split(b * t, comm.size)
+        mine = frames.narrow(0, *split.range(comm.rank))
+        local = vae.decode(mine, return_dict=False)[0] if mine.shape[0] else None
+        if local is None:  # this rank holds no frame: decode one to learn the shape, send nothing
+            local = vae.decode(frames[:1], return_dict=False)[0][:0]
+        out = gather_shards(comm, local.contiguous(), 0, split.sizes, "gather video")
+    return out.reshape(b, t, *out.shape[1:]).transpose(1, 2)
 
 
 def split_decode(vae: nn.Module, latents: Tensor, comm: Comm) -> Tensor:
@@ -106,5 +128,8 @@ def decode_video(vae: nn.Module, latents: Tensor, comm: Comm | None = None) -> T
         z = z * std + mean
     elif getattr(config, "scaling_factor", None):
         z = z / config.scaling_factor
-    video = vae.decode(z, return_dict=False)[0] if comm is None else split_decode(vae, z, comm)
+    if type(vae).__name__ in FRAME_VAES:
+        video = frames_decode(vae, z, comm)
+    else:
+        video = vae.decode(z, return_dict=False)[0] if comm is None else split_decode(vae, z, comm)
     return video.float().clamp(-1, 1)

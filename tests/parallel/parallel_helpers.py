@@ -42,8 +42,8 @@ def run_sample(model, shape, steps=2):
 
 def run_cases(rank, world, cases):
     """On every rank: each case (name, model, shape, ParallelConfig) sampled in parallel, in one group.
-    Model "X:pipeline" runs diffusers' WanPipeline around X; "vae" decodes latents of `shape` split
-    over the group; config None calls the model after earlier cases hooked and detached it."""
+    Model "X:pipeline" runs diffusers' WanPipeline around X; "vae" / "vae2d" decode latents of
+    `shape` split over the group; config None calls the model after earlier cases hooked and detached it."""
     from slidefusion.parallel import parallelize
 
     torch.set_num_threads(1)
@@ -57,8 +57,10 @@ def run_cases(rank, world, cases):
 
 
 def _run_case(models, model_name, shape, config, parallelize):
-    if model_name == "vae":
-        return split_decode_case(shape)
+    if model_name.startswith("vae"):
+        from slidefusion.parallel.comm import Comm
+
+        return decode_case(model_name, shape, Comm())
     base, _, sampler = model_name.partition(":")
     model = models.setdefault(base, build(base))
     if config is None:  # the model itself, after earlier cases hooked it: must be unchanged
@@ -71,24 +73,32 @@ def _run_case(models, model_name, shape, config, parallelize):
         handle.detach()
 
 
-def split_decode_case(shape):
-    from slidefusion.parallel.comm import Comm
-    from slidefusion.parallel.decode import split_decode
+def tiny_vae(name: str, channels: int):
+    """"vae": AutoencoderKLWan (Wan's causal 3D VAE); "vae2d": a 2-D AutoencoderKL as Latte's."""
     from slidefusion.testing.tiny import tiny_wan_vae
 
+    if name == "vae":
+        return tiny_wan_vae(channels)
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=channels, block_out_channels=(8, 16),
+                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                         norm_num_groups=4).eval()
+
+
+def decode_case(name, shape, comm=None):
+    """Latents of `shape` decoded by the tiny VAE `name`, split over `comm` (None: one decode)."""
+    from slidefusion.parallel.decode import decode_video
+
     z = torch.randn(shape, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        return split_decode(tiny_wan_vae(shape[1]), z, Comm())
+    return decode_video(tiny_vae(name, shape[1]), z, comm)
 
 
 def reference(model_name, shape):
     """The single-process answer of a case."""
-    if model_name == "vae":
-        from slidefusion.testing.tiny import tiny_wan_vae
-
-        z = torch.randn(shape, generator=torch.Generator().manual_seed(3))
-        with torch.no_grad():
-            return tiny_wan_vae(shape[1]).decode(z, return_dict=False)[0]
+    if model_name.startswith("vae"):
+        return decode_case(model_name, shape)
     base, _, sampler = model_name.partition(":")
     return SAMPLERS[sampler](build(base), shape)
 

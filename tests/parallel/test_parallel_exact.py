@@ -23,6 +23,7 @@ TINY = (1, 3, 1, 4, 6)  # 6 tokens: on 4 ranks 2, 2, 1, 1, so 4 slices leave chu
 LATTE = (1, 4, 3, 6, 10)  # Latte's video_length 3: on 4 ranks one holds no frame; 15 positions
 WAN, WAN22, TINY_WAN = (1, 4, 3, 6, 10), (1, 48, 2, 6, 10), (1, 4, 1, 4, 6)  # 45, 30 and 6 tokens
 VAE = (1, 4, 3, 4, 14)  # split by its 14 latent columns, each tile with a 9-column halo
+VAE2D = (1, 4, 3, 4, 6)  # a 2-D VAE: 3 frames split over the ranks (on 4, one decodes none)
 
 # (name, model, shape, config, expected error or None); errors depend on the rank count where noted.
 def cases(world):
@@ -58,7 +59,7 @@ def cases(world):
             ("wan/pipeline/ulysses/2", "wan-5h:pipeline", None, ParallelConfig("ulysses", 2, timeout_s=60)),
             ("wan/dsp", "wan-5h", WAN, ParallelConfig("dsp", 1, timeout_s=60)),
             ("stock/wan", "wan-5h", WAN, None),
-            ("vae/split", "vae", VAE, None)]
+            ("vae/split", "vae", VAE, None), ("vae2d/frames", "vae2d", VAE2D, None)]
     return out
 
 

@@ -56,3 +56,28 @@ def test_a_model_without_a_plan_names_the_supported_ones(tmp_path):
     with pytest.raises(UserError, match="CogVideoXTransformer3DModel has no parallel plan; supported: DiT3D, STDiT, "
                                         "WanTransformer3DModel, LatteTransformer3DModel"):
         check_fit(build_on_meta(folder), ParallelConfig("ulysses"), 2)
+
+
+def _torchrun(folder, out, schedule, slices):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from slidefusion.parallel.launch import free_port
+
+    script = Path(__file__).with_name("pretrained_torchrun_main.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(script), str(folder), str(out), schedule, str(slices)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchrun_on_a_folder_equals_one_process(tiny_wan_dir, tmp_path):
+    result = _torchrun(tiny_wan_dir, tmp_path, "ulysses", 2)
+    assert result.returncode == 0, "\n".join(l for l in result.stderr.splitlines() if "rror" in l)
+    single = sample_latents(PretrainedParts.load(tiny_wan_dir), Request("a red circle moving left", **REQUEST))
+    assert (load_file(tmp_path / "l.safetensors")["latents"] - single).abs().max() <= 1e-5
+    assert (tmp_path / "v.gif").stat().st_size > 0 and "exposed communication" in result.stdout
+    bad = _torchrun(tiny_wan_dir, tmp_path / "bad", "dsp", 1)  # before any process group: rank 0 says it, once
+    assert bad.returncode != 0 and bad.stderr.count("slidefusion: error:") == 1
+    assert "valid for wan: ulysses" in bad.stderr and not (tmp_path / "bad").exists()

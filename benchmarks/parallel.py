@@ -1,19 +1,22 @@
 """Parallel schedules on real gloo ranks with an emulated slow link, next to the simulator's prediction.
 
-Two rows of models, each run by every rank under each of its schedules, one forward (a sampling
-step, CFG batch 2) at a time, alternating schedules after a warm-up so load drift hits all alike:
+Three rows of models, each run by every rank under each of its schedules, one forward (a sampling
+step, CFG batch 2, through the model's adapter) at a time, alternating schedules after a warm-up so
+load drift hits all alike:
   spatial-temporal: stdit (dsp, ulysses, scalefusion, scalefusion-inter);
-  full-3D:          dit3d, every block attending over all tokens (ulysses plain and --slices N).
+  full-3D:          dit3d, every block attending over all tokens (ulysses plain and --slices N);
+  wan:              diffusers' WanTransformer3DModel, random, the full-3D row's size (ulysses plain and sliced).
 Every transfer is delayed as a link of --gbps / --latency-us would (`LinkDelay`, benchmarks only).
 Per case: median step wall time and exposed communication (time blocked in waits), and the
 discrete-event model's prediction from this run's measured block pieces and the emulated link.
 JSON with the machine facts.
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --quick
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --suite full --ranks 4
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --suite wan --ranks 4
 """
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -27,82 +30,101 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from slidefusion.parallel import LinkDelay, ParallelConfig, Tracer, parallelize, spawn  # noqa: E402
+from slidefusion.adapters import TextConditioning, adapter_for  # noqa: E402
+from slidefusion.parallel import LinkDelay, ParallelConfig, Tracer, hooks, parallelize, spawn  # noqa: E402
 from slidefusion.parallel.auto import measure_costs  # noqa: E402
 from slidefusion.parallel.comm import Comm  # noqa: E402
-from slidefusion.parallel.plan import SCHEDULES, plan_for  # noqa: E402
+from slidefusion.parallel.plan import SCHEDULES  # noqa: E402
 from slidefusion.parallel.simulate import Link, simulate  # noqa: E402
 
 SUITES = {
-    # name: (model preset, overrides, latent (T, H, W), quick latent, cases)
+    # name: (model, overrides, latent (T, H, W), quick latent, cases)
     "st": ("stdit-small", {}, (8, 32, 32), (8, 16, 16),
            [("dsp", 1), ("ulysses", 1), ("scalefusion", 2), ("scalefusion", 4),
             ("scalefusion-inter", 2), ("scalefusion-inter", 4)]),
     # full-3D: 12 heads so 2 and 4 ranks split them; 2x2 patches give 8 x 16 x 16 = 2048 tokens.
     "full": ("dit3d-small", {"heads": 12, "patch_size": (1, 2, 2), "depth": 4}, (8, 32, 32), (4, 24, 24),
              [("ulysses", 1), ("ulysses", 2), ("ulysses", 4), ("ulysses", 8)]),
+    # diffusers' WanTransformer3DModel (random weights) of the same width, heads and tokens as the
+    # full-3D row: 12 heads x 16, FFN 768, 4 blocks, Wan's 16 latent channels, 2048 tokens.
+    "wan": ("wan", dict(num_attention_heads=12, attention_head_dim=16, ffn_dim=768, num_layers=4, in_channels=16,
+                        out_channels=16, text_dim=64, freq_dim=64, rope_max_seq_len=64), (8, 32, 32), (4, 24, 24),
+            [("ulysses", 1), ("ulysses", 2), ("ulysses", 4), ("ulysses", 8)]),
 }
 
 
-def random_model(name: str, overrides: dict):
-    from slidefusion.models import build_model, preset
+def build_model(name: str, overrides: dict):
+    """Our preset with every weight random, or a random diffusers model of a tiny family."""
+    if name in ("wan", "latte"):
+        from slidefusion.testing.tiny import tiny_model
+
+        return tiny_model(name, **overrides)
+    from slidefusion.models import build_model as build, preset
 
     torch.manual_seed(0)
-    model = build_model(preset(name, **overrides))
+    model = build(preset(name, **overrides))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     return model.eval()
 
 
-def predict(model, schedule: str, slices: int, comm: Comm, latent_shape, link: LinkDelay, embed_head_s) -> float:
+def predict(handle, comm: Comm, latent_shape, link: LinkDelay, outside_s: float) -> float:
     """The simulator's step time from this rank group's measured pieces and the emulated link."""
-    plan = plan_for(model, SCHEDULES[schedule], comm.size)
-    costs = measure_costs(model, plan, SCHEDULES[schedule], comm, latent_shape)
+    engine = handle.engine
+    costs = measure_costs(engine, handle.model, latent_shape)
     bps = link.gbps * 1e9 / 8
     costs = dataclasses.replace(costs, link=Link(comm.size, comm.size, bps, bps, link.latency_us * 1e-6))
-    return simulate(schedule, costs, slices).step_s + embed_head_s
+    return simulate(engine.schedule.name, costs, handle.slices).step_s + outside_s
 
 
-def _embed_head_seconds(model, inputs) -> float:
-    x, t, ctx = inputs
+def _outside_blocks_seconds(model, call) -> float:
+    """One forward with every block skipped: embedding, conditioning, output head (not split here)."""
+    skipped = copy.deepcopy(model)
+    for block in adapter_for(skipped).blocks(skipped):
+        hooks.attach(block, lambda module, x, *args, **kwargs: x)
+    call(skipped)
     start = time.perf_counter()
     for _ in range(3):
-        tokens, c, _ = model.embed(x, t, ctx)
-        model.head(tokens, c)
+        call(skipped)
     return (time.perf_counter() - start) / 3
 
 
 def job(rank, world, options):
     torch.set_num_threads(1)
-    model = random_model(options["model"], options["overrides"])
+    model = build_model(options["model"], options["overrides"])
+    adapter = adapter_for(model)
     g = torch.Generator().manual_seed(0)
-    shape = (2, model.config.in_channels, *options["latent"])
-    inputs = (torch.randn(shape, generator=g), torch.rand(2, generator=g),
-              torch.randn(2, 12, model.config.text_dim, generator=g))
+    shape = (2, adapter.latent_channels(model), *options["latent"])
+    x, t = torch.randn(shape, generator=g), torch.rand(2, generator=g) * adapter.objective.scale
+    text = TextConditioning(torch.randn(2, 12, adapter.text_width(model), generator=g))
+
+    def call(m):
+        return adapter.predict(m, x, t, text)
+
     link = LinkDelay(options["latency_us"], options["gbps"])
     runners = {}
-    for name, slices in options["cases"]:
+    for name, slices in options["cases"]:  # one copy per case: a model has one parallel setup at a time
         tracer = Tracer(rank=rank)
         config = ParallelConfig(name, slices, link_delay=link, timeout_s=300)
-        runners[name, slices] = (parallelize(model, config, tracer=tracer, latent_shape=shape), tracer)
+        runners[name, slices] = (parallelize(copy.deepcopy(model), config, tracer=tracer, latent_shape=shape), tracer)
     with torch.no_grad():
         for _ in range(options["warmup"]):
-            for runner, _ in runners.values():
-                runner(*inputs)
+            for handle, _ in runners.values():
+                call(handle.model)
         for _, tracer in runners.values():
             tracer.steps.clear()
         for _ in range(options["repeats"]):  # alternate schedules so load drift hits all alike
-            for runner, _ in runners.values():
-                runner(*inputs)
-        embed_head = _embed_head_seconds(model, inputs)
+            for handle, _ in runners.values():
+                call(handle.model)
+        outside = _outside_blocks_seconds(model, call)
         comm = Comm(None, Tracer(rank=rank, enabled=False), link)
         rows = []
-        for (name, slices), (_, tracer) in runners.items():
+        for (name, slices), (handle, tracer) in runners.items():
             rows.append({"schedule": name, "slices": slices,
                          "wall_s": statistics.median(s["wall_s"] for s in tracer.steps),
                          "exposed_comm_s": statistics.median(s["exposed_comm_s"] for s in tracer.steps),
-                         "predicted_s": predict(model, name, slices, comm, shape, link, embed_head)})
+                         "predicted_s": predict(handle, comm, shape, link, outside)})
     return {"rows": rows}
 
 

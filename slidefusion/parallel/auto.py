@@ -1,10 +1,11 @@
 """`--slices auto`: measure this run's compute and transfer costs once, in `parallelize`, and let the
 simulator pick the slice count.
 
-The probe runs the model's own blocks on this rank's shard of random latents of the run's shape
-(costs do not depend on the values), and times two all-to-all sizes on the group. Every rank takes
-the maximum of every measurement, so all choose the same count. The probe inputs come from our
-own models' `embed`; a foreign model's adapter will supply them in phase B.
+The probe is the parallel model itself: a few traced forwards of random latents of the run's shape
+(costs do not depend on the values) through `adapter.predict`, unsliced and in 4 slices; the
+tracer's spans give each block's pieces (the layer schedules' `kind[i] slice k`, Ulysses' `attn[i]
+qkv k`, `attend`, `out k`). Two all-to-all sizes timed on the group give the link. Every rank takes
+the maximum of every measurement, so all choose the same count.
 """
 
 import time
@@ -12,10 +13,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from slidefusion.parallel.chunked import attention_lse
-from slidefusion.parallel.layout import FRAMES, POSITIONS, Split, block_view, shard, to_canonical
-from slidefusion.parallel.records import access_for
+from slidefusion.adapters import TextConditioning
+from slidefusion.parallel.layout import Split
 from slidefusion.parallel.simulate import FullCosts, Link, StepCosts, best_slices
+from slidefusion.parallel.trace import Tracer
+
+PROBE_SLICES = 4
 
 
 def _time(fn, repeats: int = 3) -> float:
@@ -28,14 +31,6 @@ def _time(fn, repeats: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _probe_inputs(model, latent_shape):
-    g = torch.Generator().manual_seed(0)
-    b = latent_shape[0]
-    x = torch.randn(latent_shape, generator=g)
-    context = torch.randn(b, 8, model.config.text_dim, generator=g)
-    return model.embed(x, torch.full((b,), 0.5), context)  # tokens (B, T, H, W, C), c, context
 
 
 def _max(comm, values: list[float]) -> list[float]:
@@ -59,59 +54,99 @@ def _link(comm, numel: int) -> Link:
     return Link(size, size, 1 / per_byte, 1 / per_byte, latency)
 
 
-def _layer_costs(model, plan, comm, tokens, c, context) -> StepCosts:
-    canonical, hw = to_canonical(tokens), tokens.shape[2:4]
+class _Probe:
+    """Traced forwards of the parallel model; `spans(slices)`: span name -> fastest seconds."""
 
-    def block_seconds(layout, fraction=1.0):
-        kind = "spatial" if layout == FRAMES else "temporal"
-        block = plan.blocks[plan.kinds.index(kind)]
-        piece = shard(canonical, layout, Split(canonical.shape[layout], comm.size), comm.rank)
-        piece = piece.narrow(layout, 0, max(1, int(piece.shape[layout] * fraction))) if piece.shape[layout] else piece
-        if piece.numel() == 0:
-            return 0.0
-        return _time(lambda: block(block_view(piece, layout, hw), c, context, None))
+    def __init__(self, engine, model, latent_shape):
+        self.engine, self.model = engine, model
+        adapter = engine.plan.adapter
+        g = torch.Generator().manual_seed(0)
+        b = latent_shape[0]
+        self.inputs = (torch.randn(latent_shape, generator=g), torch.full((b,), 0.5 * adapter.objective.scale),
+                       TextConditioning(torch.randn(b, 8, adapter.text_width(model), generator=g)))
+        self.width = self.values = None
+        self.steps: list[dict] = []
 
-    spatial, quarter, temporal = _max(comm, [block_seconds(FRAMES), block_seconds(FRAMES, 0.25),
-                                             block_seconds(POSITIONS)])
-    shard_numel = canonical.numel() // comm.size
-    return StepCosts(len(plan.blocks) // 2, spatial, temporal, max(0.0, quarter - spatial / 4), shard_numel * 4,
-                     _link(comm, shard_numel))
+    def _capture(self):
+        """Token width (first block's input) and values per token (the output module's output)."""
+        plan = self.engine.plan
+
+        def first(module, args, kwargs):
+            self.width = (args[0] if args else next(iter(kwargs.values()))).shape[-1]
+
+        def out(module, args, result):
+            self.values = result.shape[-1]
+
+        return [plan.blocks[0].register_forward_pre_hook(first, with_kwargs=True),
+                self.model.get_submodule(plan.access.output).register_forward_hook(out)]
+
+    def spans(self, slices: int, repeats: int = 3) -> dict[str, float]:
+        best: dict[str, float] = {}
+        for run in range(repeats + 1):  # the first is a warm-up
+            tracer = self.engine.probe(lambda: self.engine.plan.adapter.predict(self.model, *self.inputs), slices,
+                                       hooks_fn=self._capture if run == 0 else None)
+            if run == 0:
+                continue
+            self.steps.append(tracer.steps[-1])
+            for name, category, start, end in tracer.spans:
+                if category == "compute":
+                    best[name] = min(best.get(name, float("inf")), end - start)
+        return best
 
 
-def _full_costs(model, plan, comm, tokens, c, context) -> FullCosts:
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))
+
+
+def _layer_costs(probe: _Probe, plan, comm) -> StepCosts:
+    whole, sliced = probe.spans(1), probe.spans(PROBE_SLICES)
+
+    def per_kind(kind, spans, slices):
+        return _mean([sum(spans.get(f"{kind}[{i}] slice {c}", 0.0) for c in range(slices))
+                      for i, k in enumerate(plan.kinds) if k == kind])
+
+    spatial, temporal = per_kind("spatial", whole, 1), per_kind("temporal", whole, 1)
+    overhead = max(0.0, (per_kind("spatial", sliced, PROBE_SLICES) - spatial) / (PROBE_SLICES - 1))
+    spatial, temporal, overhead = _max(comm, [spatial, temporal, overhead])
+    tokens = probe.inputs[0].shape[0] * plan.adapter.tokens(probe.model, probe.inputs[0].shape)
+    shard_numel = tokens * probe.width // comm.size
+    return StepCosts(len(plan.blocks) // 2, spatial, temporal, overhead, shard_numel * 4, _link(comm, shard_numel),
+                     gather_bytes=tokens * probe.values // comm.size * 4)
+
+
+def _full_costs(probe: _Probe, plan, comm) -> FullCosts:
     """Costs of one full-3D block on this rank's shard: the pieces `simulate.FullCosts` names."""
-    b, width = tokens.shape[0], tokens.shape[-1]
-    seq = tokens.reshape(b, -1, width)  # (B, N, C)
-    n_local = Split(seq.shape[1], comm.size).sizes[0]
-    local = seq[:, :n_local]
-    block, module = plan.blocks[0], model.get_submodule(plan.head_sites[0].path)
-    access = access_for(module)
-    heads = access.heads(module)
-    mine, head_dim = Split(heads, comm.size).sizes[0], width // heads
-    qkv_probe = torch.randn(b, seq.shape[1], mine, head_dim)
-    quarter = local[:, :max(1, n_local // 4)]
-    view = local.reshape(b, 1, n_local, 1, width)
-    values = [_time(lambda: access.project(module, local, (), {}, (0, n_local))),
-              _time(lambda: access.project(module, quarter, (), {}, (0, quarter.shape[1]))),
-              _time(lambda: attention_lse(qkv_probe, qkv_probe, qkv_probe)),
-              _time(lambda: access.output(module, torch.randn(b, n_local, heads, head_dim))),
-              _time(lambda: block(view, c, context, None)) - _time(lambda: module(view))]
-    qkv, qkv_quarter, attn, out, rest = _max(comm, values)
-    size, es = comm.size, tokens.element_size()
-    return FullCosts(len(plan.blocks), qkv, attn, out, max(rest, 0.0), n_local * 3 * width / size * es,
-                     n_local * width / size * es, n_local * width * es, _link(comm, n_local * width),
-                     slice_overhead_s=max(0.0, qkv_quarter - qkv / 4))
+    whole, sliced = probe.spans(1), probe.spans(PROBE_SLICES)
+    sites = [site.block for site in plan.head_sites]
+    qkv = _mean([whole.get(f"attn[{i}] qkv 0", 0.0) for i in sites])
+    attn = _mean([whole.get(f"attn[{i}] attend", 0.0) for i in sites])
+    out = _mean([whole.get(f"attn[{i}] out 0", 0.0) for i in sites])
+    qkv_sliced = _mean([sum(sliced.get(f"attn[{i}] qkv {k}", 0.0) for k in range(PROBE_SLICES)) for i in sites])
+    step = min(s["wall_s"] - s["exposed_comm_s"] for s in probe.steps)  # compute of one forward
+    rest = max(0.0, step / len(plan.blocks) - qkv - attn - out)
+    qkv, attn, out, rest, overhead = _max(comm, [qkv, attn, out, rest,
+                                                 max(0.0, (qkv_sliced - qkv) / (PROBE_SLICES - 1))])
+    batch, n_tokens = probe.inputs[0].shape[0], plan.adapter.tokens(probe.model, probe.inputs[0].shape)
+    n_local, size, es, width = Split(n_tokens, comm.size).sizes[0], comm.size, 4, probe.width
+    return FullCosts(len(plan.blocks), qkv, attn, out, rest, batch * n_local * 3 * width / size * es,
+                     batch * n_local * width / size * es, batch * n_local * probe.values * es,
+                     _link(comm, batch * n_local * width), slice_overhead_s=overhead)
 
 
-def measure_costs(model, plan, schedule, comm, latent_shape) -> StepCosts | FullCosts:
-    """This group's simulator costs for `schedule`: measured block pieces (max over ranks) and link."""
+def measure_costs(engine, model, latent_shape) -> StepCosts | FullCosts:
+    """This group's simulator costs for the engine's schedule: measured block pieces (max over
+    ranks) and link. `latent_shape` (B, C, T, H, W) is what each sequence group's model call sees."""
     with torch.no_grad():
-        tokens, c, context = _probe_inputs(model, latent_shape)
-        return (_full_costs if plan.full else _layer_costs)(model, plan, comm, tokens, c, context)
+        probe = _Probe(engine, model, latent_shape)
+        return (_full_costs if engine.plan.full else _layer_costs)(probe, engine.plan, engine.comm)
 
 
-def choose_slices(model, plan, schedule, comm, latent_shape, candidates=(1, 2, 4, 8, 16)) -> int:
-    """Slice count for `schedule` on this group from measured block pieces and all-to-all costs."""
-    if comm.size == 1 or not schedule.sliced or (schedule.heads and not plan.full):
+def choose_slices(engine, model, latent_shape, candidates=(1, 2, 4, 8, 16)) -> int:
+    """Slice count for the engine's schedule on its group from measured block pieces and all-to-all costs."""
+    schedule, plan = engine.schedule, engine.plan
+    if engine.comm.size == 1 or not schedule.sliced or (schedule.heads and not plan.full):
         return 1  # Ulysses slices full-3D attention only
-    return best_slices(schedule.name, measure_costs(model, plan, schedule, comm, latent_shape), candidates)
+    return best_slices(schedule.name, measure_costs(engine, model, latent_shape), candidates)
+
+
+__all__ = ["Tracer", "choose_slices", "measure_costs"]

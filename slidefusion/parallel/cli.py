@@ -106,6 +106,52 @@ def _generate_parallel(args, build_pipeline) -> None:
     dist.destroy_process_group()
 
 
+def generate_pretrained_parallel(args) -> None:
+    """`generate --pretrained DIR --parallel SCHEDULE` under torchrun: every check first (one line,
+    from rank 0), then every rank loads the folder and samples, the decode is split over the ranks,
+    and rank 0 writes the outputs."""
+    try:
+        _generate_pretrained(args)
+    except UserError:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(2) from None
+        raise
+
+
+def _generate_pretrained(args) -> None:
+    import torch.distributed as dist
+
+    from slidefusion.data.video_io import write_video
+    from slidefusion.parallel.launch import init_distributed, launcher_world
+    from slidefusion.parallel.pretrained import PretrainedParts, Request, check_request, pretrained_video
+    from slidefusion.parallel.trace import Tracer
+    from slidefusion.pipeline import save_latents
+
+    start = time.perf_counter()
+    timeout = 300.0 if args.timeout is None else args.timeout
+    config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, timeout)
+    sizes = {k: getattr(args, k) for k in ("frames", "height", "width") if getattr(args, k, None) is not None}
+    request = Request(args.prompt, steps=args.steps, guidance=args.guidance, seed=args.seed, **sizes)
+    check_request(args.pretrained, request, config, launcher_world(), args.out)
+    init_distributed(config.timeout_s)
+    rank = dist.get_rank()
+    tracer = Tracer(rank=rank, enabled=True)
+    parts = PretrainedParts.load(args.pretrained)
+    latents, video = pretrained_video(parts, request, config, tracer)
+    tracers = [None] * dist.get_world_size()
+    dist.all_gather_object(tracers, tracer)
+    if rank == 0:
+        _report(tracers, args.trace)
+        if args.save_latents:
+            print(f"wrote {save_latents(args.save_latents, latents)}")
+        write_video(Path(args.out), video, fps=16)
+        print(f"wrote {args.out}")
+        print(f"{args.prompt!r}: {video.shape[1]} frames on {dist.get_world_size()} ranks ({args.parallel}) "
+              f"in {time.perf_counter() - start:.1f} s")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _report(tracers, trace_path) -> None:
     from slidefusion.parallel.trace import step_table, write_chrome_trace
 

@@ -1,18 +1,20 @@
 """`parallelize`: the one generic function that reads a plan and a schedule and runs an unchanged
 model sequence-parallel (and optionally CFG-parallel) on a process group. It reads as a recipe:
-build the groups, plan the model, resolve the slice count, attach the runner.
+build the groups, plan the model, attach the hooks, resolve the slice count.
 
-Two runners. `LayerSlices` (dsp, scalefusion, scalefusion-inter) embeds the full latents on every
-rank, keeps its shard, runs the blocks layer by layer in slices with the switches between layouts,
-and applies the model's own head to its shard. `HeadParallel` (ulysses) attaches hooks where the
-blocks and attention modules already sit (shard at the first block, head all-to-alls at each
-attention) and calls the model's own forward. Either way the model's token-wise output module runs
-on the shard and only its output is gathered (16 values per token for our models instead of the
-width), so the sampler sees the full velocity on every rank, and the blocks' math is the model's.
+Everything is an in-place hook (`hooks.py`), so the model's own forward - and whatever calls it:
+our sampler, a diffusers scheduler loop, `adapter.predict` - runs unchanged on every rank:
+  - on the model itself, `Engine`: per call, the token grid (`adapter.grid_from_call`), CFG-parallel
+    halves, per-token call arguments cut to this rank; it hands the per-call record to the others;
+  - ulysses: the first block shards the tokens, each attention site trades tokens for heads
+    (`ulysses.py`), temporal blocks cut their per-row arguments;
+  - dsp / scalefusion / scalefusion-inter: every block switches to the layout it needs (`layers.py`);
+  - per-token side outputs (Wan's rotary table) are cut to this rank's tokens;
+  - the token-wise output module runs on the shard and only its output is gathered (16-64 values
+    per token instead of the width), so the model returns the whole prediction on every rank.
 """
 
 import datetime
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,133 +23,141 @@ from torch import Tensor, nn
 from slidefusion.errors import UserError, check
 from slidefusion.parallel import hooks
 from slidefusion.parallel.comm import Comm
-from slidefusion.parallel.exchange import gather_shards
-from slidefusion.parallel.layout import FRAMES, Split, block_view, shard, to_canonical
-from slidefusion.parallel.plan import KIND_LAYOUT, SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
+from slidefusion.parallel.layers import LayerCall, LayerHook
+from slidefusion.parallel.layout import FRAMES, POSITIONS
+from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
 from slidefusion.parallel.records import access_for
-from slidefusion.parallel.switch import Handoff, Switch
+from slidefusion.parallel.tokens import Tokens
 from slidefusion.parallel.trace import Tracer
 from slidefusion.parallel.ulysses import UlyssesCall, UlyssesHook
 
 
-@dataclass(frozen=True)
-class LayerCall:
-    """What the output hook needs to gather a LayerSlices call: the last layer's sharded axis."""
+class Engine:
+    """The hook on the model itself: one parallel call per model call. `slices` is resolved
+    ("auto" measured in `parallelize`); `pair` is the CFG-parallel pair's Comm, or None."""
 
-    comm: Comm
-    full: tuple[int, ...]  # canonical (B, T, S, C)
-    grid: tuple[int, int, int]
-    axis: int
-    tracer: Tracer
+    def __init__(self, plan: Plan, schedule: Schedule, comm: Comm, pair: Comm | None, tracer: Tracer):
+        self.plan, self.schedule, self.comm, self.pair, self.tracer = plan, schedule, comm, pair, tracer
+        self.slices = 1
 
-    def gather(self, y: Tensor) -> Tensor:
-        """This rank's block-shaped (.., K) output -> the full (B, T, H, W, K) on every rank."""
-        b, t, s, k = self.full[0], self.full[1], self.full[2], y.shape[-1]
-        # block views: (B, T_r, H, W, K) by frames, (B, T, S_r, 1, K) by positions (T_r may be 0)
-        local = y.reshape(b, y.shape[1], s, k) if self.axis == FRAMES else y.reshape(b, t, y.shape[2], k)
-        with self.tracer.span("gather tokens"):
-            out = gather_shards(self.comm, local, self.axis, Split(self.full[self.axis], self.comm.size))
-        return out.reshape(b, *self.grid, k)
+    def __call__(self, model: nn.Module, *args, **kwargs):
+        if hooks.current_call() is not None:  # a call made from inside a parallel call: already set up
+            return hooks.stock_forward(model, *args, **kwargs)
+        bound = hooks.bind(model, args, kwargs)
+        with self.tracer.step():
+            if self.pair is None:
+                return self.run(model, bound)
+            return self._cfg(model, bound)
 
+    def run(self, model: nn.Module, bound):
+        """One model call across the sequence group."""
+        hidden = bound.arguments[hooks.first_argument(bound)]
+        grid = self.plan.adapter.grid_from_call(model, bound.args[1:], bound.kwargs)
+        tokens = Tokens(tuple(grid), int(hidden.shape[0]), not self.plan.full, self.plan.access.layout,
+                        self.comm.size, self.comm.rank)
+        for name, dim in self.plan.access.token_args.items():
+            value = bound.arguments.get(name)
+            if isinstance(value, Tensor) and value.ndim > dim:
+                bound.arguments[name] = tokens.cut(value, dim)
+        with hooks.calling(self._call(tokens)):
+            return hooks.call_bound(bound)
 
-class LayerSlices:
-    """dsp / scalefusion / scalefusion-inter: layers in slices, switches between frames and positions."""
+    def probe(self, fn, slices: int, hooks_fn=None) -> Tracer:
+        """Run `fn()` (a call of the model) with `slices`, no CFG pair and a fresh enabled tracer,
+        which it returns (`auto.py` reads its spans). `hooks_fn()` may register torch hooks for the
+        run and return their handles."""
+        saved = self.slices, self.tracer, self.pair, self.comm.tracer
+        tracer = Tracer(rank=self.comm.global_rank, enabled=True)
+        self.slices, self.tracer, self.pair, self.comm.tracer = slices, tracer, None, tracer
+        handles = hooks_fn() if hooks_fn is not None else []
+        try:
+            fn()
+        finally:
+            self.slices, self.tracer, self.pair, self.comm.tracer = saved
+            for handle in handles:
+                handle.remove()
+        return tracer
 
-    def __init__(self, model: nn.Module, plan: Plan, schedule: Schedule, comm: Comm, tracer: Tracer, slices: int):
-        self.model, self.plan, self.schedule, self.comm, self.tracer = model, plan, schedule, comm, tracer
-        self.slices = slices
-        self.layouts = [KIND_LAYOUT[kind] for kind in plan.kinds]
-        hooks.attach(model.get_submodule(plan.record.output), hooks.GatherHook())
+    def _call(self, tokens: Tokens):
+        if self.schedule.heads:
+            return UlyssesCall(self.comm, tokens, self.slices, self.tracer)
+        counts = (self.schedule.slices(FRAMES, self.slices), self.schedule.slices(POSITIONS, self.slices))
+        return LayerCall(self.comm, tokens, tuple(self.plan.kinds), counts, self.schedule.overlap,
+                         dict(self.plan.access.rows), self.plan.access.chained, self.tracer)
 
-    def __call__(self, x: Tensor, t: Tensor, context: Tensor, mask) -> Tensor:
-        with self.tracer.span("embed"):
-            tokens, c, context = self.model.embed(x, t, context)  # (B, T, H, W, C) on every rank
-        b, frames, h, w, width = tokens.shape
-        canonical = to_canonical(tokens)
-        local = self.run_blocks(canonical, (h, w), c, context, mask)
-        call = LayerCall(self.comm, tuple(canonical.shape), (frames, h, w), self.layouts[-1], self.tracer)
-        with self.tracer.span("head"), hooks.calling(call):  # the output module gathers its few values
-            return self.model.head(block_view(local, self.layouts[-1], (h, w)), c)
-
-    def _slices(self, layout: int) -> int:
-        return self.schedule.slices(layout, self.slices)
-
-    def run_blocks(self, canonical: Tensor, hw: tuple[int, int], c: Tensor, context: Tensor, mask) -> Tensor:
-        """Canonical tokens (B, T, S, C) of an (H, W) = `hw` frame grid through every block; returns
-        this rank's shard of the last layer's output, canonical, along that layer's axis."""
-        blocks, layouts, full = self.plan.blocks, self.layouts, tuple(canonical.shape)
-        first = shard(canonical, layouts[0], Split(full[layouts[0]], self.comm.size), self.comm.rank)
-        incoming = Handoff(layouts[0], self._slices(layouts[0]))
-        incoming.send(0, first)
-        for i, (block, kind, axis) in enumerate(zip(blocks, self.plan.kinds, layouts)):
-            if i + 1 < len(blocks):
-                outgoing = self._outgoing(axis, layouts[i + 1], full, f"{kind}[{i}]")
-            else:
-                outgoing = Handoff(axis, 1)  # the last layer's slices are joined for the gather
-            for k in range(self._slices(axis)):
-                piece = incoming.receive(k)  # waits on exactly the chunks this slice needs
-                with self.tracer.span(f"{kind}[{i}] slice {k}"):
-                    out = self._run_block(block, piece, axis, hw, c, context, mask)
-                outgoing.send(k, out)  # starts this slice's switch while the next slice computes
-            incoming = outgoing
-        return incoming.receive(0)
-
-    def _outgoing(self, axis: int, after: int, full: tuple[int, ...], name: str):
-        if after == axis:
-            return Handoff(axis, self._slices(after))
-        return Switch(self.comm, full, axis, after, self._slices(axis), self._slices(after), self.schedule.overlap, name)
-
-    @staticmethod
-    def _run_block(block: nn.Module, piece: Tensor, axis: int, hw, c, context, mask) -> Tensor:
-        if piece.numel() == 0:  # a rank holding no frames (T < P) or no positions computes nothing
-            return piece
-        return block(block_view(piece, axis, hw), c, context, mask).reshape(piece.shape)
+    def _cfg(self, model: nn.Module, bound):
+        """Conditional and unconditional halves of the batch on the two rank groups, then swapped."""
+        batch = bound.arguments[hooks.first_argument(bound)].shape[0]
+        if batch % 2:
+            raise UserError(f"cfg_parallel needs a cond+uncond batch (guidance != 1); got batch {batch}")
+        half, side = batch // 2, self.pair.rank
+        for name in self.plan.access.batched:
+            value = bound.arguments.get(name)
+            if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == batch:
+                bound.arguments[name] = value.narrow(0, side * half, half)
+        return _join_halves(self.pair, self.run(model, bound))
 
 
-class HeadParallel:
-    """ulysses: hooks on the model where its blocks and attention already sit; calls its own forward."""
-
-    def __init__(self, model: nn.Module, plan: Plan, comm: Comm, tracer: Tracer, slices: int):
-        self.model, self.plan, self.comm, self.tracer, self.slices = model, plan, comm, tracer, slices
-        hooks.attach(plan.blocks[0], hooks.ShardHook())
-        hooks.attach(model.get_submodule(plan.record.output), hooks.GatherHook())
-        for site in plan.head_sites:
-            module = model.get_submodule(site.path)
-            hooks.attach(module, UlyssesHook(site, access_for(module)))
-
-    def __call__(self, x: Tensor, t: Tensor, context: Tensor, mask) -> Tensor:
-        grid = self.plan.record.token_grid(self.model, tuple(x.shape))
-        call = UlyssesCall(self.comm, grid, self.slices, keep_frames=not self.plan.full, tracer=self.tracer)
-        with hooks.calling(call):
-            return self.model(x, t, context, mask)
+def _join_halves(pair: Comm, out):
+    """Concatenate both groups' outputs along the batch: a tensor, a tuple of them, or a diffusers
+    output dataclass (a mapping)."""
+    if isinstance(out, Tensor):
+        return torch.cat(pair.all_gather(out.contiguous(), "cfg halves"))
+    if isinstance(out, tuple):
+        return type(out)(_join_halves(pair, o) if isinstance(o, Tensor) else o for o in out)
+    return type(out)(**{k: _join_halves(pair, v) if isinstance(v, Tensor) else v for k, v in out.items()})
 
 
 class ParallelDiT(nn.Module):
-    """A video DiT run across a process group; call it like the model (x, t, context, mask)."""
+    """The handle `parallelize` returns: calling it calls the (hooked) model, which is itself
+    parallel now; attributes not found here are the model's. `detach()` restores the model."""
 
-    def __init__(self, model: nn.Module, config: ParallelConfig, runner, slices: int, pair: Comm | None,
-                 tracer: Tracer):
+    def __init__(self, model: nn.Module, engine: Engine, config: ParallelConfig):
         super().__init__()
-        self.model, self.config, self.runner, self.pair, self.tracer = model, config, runner, pair, tracer
-        self.slices = slices  # resolved: "auto" was measured in parallelize
+        self.model, self.config = model, config
+        object.__setattr__(self, "engine", engine)  # not a submodule
 
-    def token_grid(self, shape):
-        return self.model.token_grid(shape)
+    @property
+    def slices(self) -> int:
+        return self.engine.slices
 
-    def forward(self, x: Tensor, t: Tensor, context: Tensor, context_mask: Tensor | None = None) -> Tensor:
-        with self.tracer.step():
-            if self.pair is None:
-                return self.runner(x, t, context, context_mask)
-            return self._cfg_forward(x, t, context, context_mask)
+    @property
+    def tracer(self) -> Tracer:
+        return self.engine.tracer
 
-    def _cfg_forward(self, x, t, context, mask):
-        """Conditional and unconditional halves of the batch on the two rank groups, then swapped."""
-        if x.shape[0] % 2:
-            raise UserError(f"cfg_parallel needs a cond+uncond batch (guidance != 1); got batch {x.shape[0]}")
-        half, side = x.shape[0] // 2, self.pair.rank
-        pick = slice(side * half, (side + 1) * half)
-        v = self.runner(x[pick], t[pick], context[pick], None if mask is None else mask[pick])
-        return torch.cat(self.pair.all_gather(v, "cfg halves"))
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def detach(self) -> nn.Module:
+        """Remove every parallel hook; the model runs as a single process again."""
+        hooks.detach_all(self.model)
+        return self.model
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+
+def attach_hooks(model: nn.Module, plan: Plan, schedule: Schedule) -> None:
+    """The schedule's hooks where the model's modules already sit (replacing earlier ones)."""
+    access = plan.access
+    hooks.detach_all(model)
+    hooks.attach(model.get_submodule(access.output), hooks.GatherHook())
+    for path, dim in access.token_outputs.items():
+        hooks.attach(model.get_submodule(path), hooks.TokenHook(dim))
+    if not schedule.heads:
+        for i, block in enumerate(plan.blocks):
+            hooks.attach(block, LayerHook(i))
+        return
+    hooks.attach(plan.blocks[0], hooks.ShardHook(plan.kinds[0]))
+    for block, kind in zip(plan.blocks, plan.kinds):
+        if kind == "temporal" and access.rows.get(kind):
+            hooks.attach(block, hooks.RowsHook(access.rows[kind]))
+    for site in plan.head_sites:
+        module = model.get_submodule(site.path)
+        hooks.attach(module, UlyssesHook(site, access_for(module)))
 
 
 def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | None]:
@@ -168,26 +178,26 @@ def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | No
     return seq, pair
 
 
-def _resolve_slices(model, plan: Plan, schedule: Schedule, config: ParallelConfig, comm: Comm,
-                    latent_shape) -> int:
+def _resolve_slices(model, engine: Engine, config: ParallelConfig, latent_shape) -> int:
     slices = config.requested_slices
-    check_slices(plan, schedule, slices)
+    check_slices(engine.plan, engine.schedule, slices)
     if slices != "auto":
         return slices
     if latent_shape is None:
         raise UserError("slices='auto' measures this run's costs first: pass latent_shape=(B, C, T, H, W)")
     from slidefusion.parallel.auto import choose_slices
 
-    return choose_slices(model, plan, schedule, comm, tuple(latent_shape))
+    return choose_slices(engine, model, tuple(latent_shape))
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tracer | None = None,
                 latent_shape: tuple[int, ...] | None = None) -> ParallelDiT:
     """Run `model` (unchanged, shared parameters) across `group` (default: the world) under `config`.
 
+    Attaches in-place hooks, so from now on calling `model` itself runs it in parallel (every rank
+    must make the same calls); the returned handle calls it too and can `detach()` the hooks.
     Needs an initialised process group (see `launch.init_distributed`). `latent_shape` (B, C, T, H, W),
-    the batch each sequence group sees, is needed only for slices="auto", which is measured here, once.
-    Ulysses attaches in-place hooks that are inert outside a call of the returned module."""
+    the batch each sequence group sees, is needed only for slices="auto", which is measured here, once."""
     if not dist.is_initialized():
         raise UserError("parallelize needs torch.distributed initialised; run under torchrun or launch.spawn")
     tracer = tracer or Tracer(rank=dist.get_rank(), enabled=False)
@@ -195,10 +205,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tr
     seq, pair = _groups(config, group, datetime.timedelta(seconds=config.timeout_s))
     comm = Comm(seq, tracer, config.link_delay)
     plan = plan_for(model, schedule, ranks=comm.size)
-    slices = _resolve_slices(model, plan, schedule, config, comm, latent_shape)
-    if schedule.heads:
-        runner = HeadParallel(model, plan, comm, tracer, slices)
-    else:
-        runner = LayerSlices(model, plan, schedule, comm, tracer, slices)
+    check_slices(plan, schedule, config.requested_slices)
+    attach_hooks(model, plan, schedule)
     pair_comm = None if pair is None else Comm(pair, tracer, config.link_delay)
-    return ParallelDiT(model, config, runner, slices, pair_comm, tracer)
+    engine = Engine(plan, schedule, comm, pair_comm, tracer)
+    hooks.attach(model, engine)
+    engine.slices = _resolve_slices(model, engine, config, latent_shape)
+    return ParallelDiT(model, engine, config)

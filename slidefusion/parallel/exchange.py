@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from slidefusion.parallel.comm import Comm, Handle
-from slidefusion.parallel.layout import Split
 
 
 class Trade:
@@ -45,11 +44,11 @@ def start_trade(comm: Comm, x: Tensor, scatter_dim: int, scatter_sizes: list[int
     return Trade(handle, shapes, gather_dim)
 
 
-def gather_shards(comm: Comm, local: Tensor, axis: int, split: Split) -> Tensor:
-    """Every rank's shard along `axis` (sizes `split.sizes`) -> the whole tensor, on every rank.
-    Shards are padded to one size, as gloo's all_gather needs equal shapes."""
+def gather_shards(comm: Comm, local: Tensor, axis: int, sizes: list[int], name: str = "gather tokens") -> Tensor:
+    """Every rank's shard along `axis` (rank i holds `sizes[i]` rows) -> the whole tensor, on every
+    rank. Shards are padded to one size, as gloo's all_gather needs equal shapes."""
     pad = list(local.shape)
-    pad[axis] = max(split.sizes) - local.shape[axis]
+    pad[axis] = max(sizes) - local.shape[axis]
     padded = torch.cat([local, local.new_zeros(pad)], dim=axis)
-    pieces = comm.all_gather(padded, "gather tokens")
-    return torch.cat([p.narrow(axis, 0, n) for p, n in zip(pieces, split.sizes)], dim=axis)
+    pieces = comm.all_gather(padded, name)
+    return torch.cat([p.narrow(axis, 0, n) for p, n in zip(pieces, sizes)], dim=axis)

@@ -3,8 +3,8 @@
 A *schedule* says which layers run in how many slices, whether the switches between layouts are
 overlapped, and whether attention is head-parallel (Ulysses). A *plan* is what a schedule needs
 from one model: its blocks in call order, each block's kind and the layout that kind needs, and
-the self-attention sites. The model facts come from `records.record_for` (one small record per
-model class, the names of the adapter contract), never from a branch on a class here.
+the self-attention sites. The model facts come from `records.record_for` (the model's adapter) and
+`records.model_access` (what the adapter contract does not say), never from a branch on a class here.
 """
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from slidefusion.errors import UserError, check
 from slidefusion.parallel.comm import LinkDelay
 from slidefusion.parallel.layout import FRAMES, POSITIONS
-from slidefusion.parallel.records import AttentionSite, access_for, record_for
+from slidefusion.parallel.records import AttentionSite, ModelAccess, access_for, model_access, record_for
 
 # The sharded axis each block kind needs under sequence parallelism (whole frames for a spatial
 # block, whole time lines for a temporal one). A "full" block attends over every token: only the
@@ -88,11 +88,13 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class Plan:
-    """One model under one schedule: blocks in call order, their kinds, and the attention sites that
-    span ranks under Ulysses (every site but temporal ones, which are local when sharded by positions)."""
+    """One model under one schedule: its adapter and parallel access record, blocks in call order,
+    their kinds, and the attention sites that span ranks under Ulysses (every site but temporal
+    ones, which are local when sharded by positions)."""
 
     family: str
-    record: object
+    adapter: object
+    access: ModelAccess
     blocks: list
     kinds: list[str]
     sites: list[AttentionSite]
@@ -108,20 +110,20 @@ class Plan:
 
 def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
     """The plan of `model` under `schedule` on `ranks` ranks, or a UserError saying what would run."""
-    record = record_for(model)
-    blocks, kinds = record.blocks(model), record.block_kinds(model)
+    adapter = record_for(model)
+    blocks, kinds = adapter.blocks(model), adapter.block_kinds(model)
     unknown = sorted(set(kinds) - set(KIND_LAYOUT))
     check(not unknown, f"blocks of kind {unknown} have no parallel layout; known: {sorted(KIND_LAYOUT)}")
-    plan = Plan(record.family, record, blocks, kinds, record.attention_sites(model))
+    plan = Plan(adapter.family, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
     if not schedule.heads and any(KIND_LAYOUT[k] is None for k in kinds):
-        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; "
-                        f"{record.family} attends over all tokens at once; valid for {record.family}: ulysses")
+        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {adapter.class_name} "
+                        f"({plan.family}) attends over all tokens at once; valid for {plan.family}: ulysses")
     if schedule.heads:
         modules = [model.get_submodule(site.path) for site in plan.head_sites]
         heads = min(access_for(m).heads(m) for m in modules)  # access_for rejects operators heads cannot split
         if ranks is not None and ranks > heads:
             raise UserError(f"ulysses splits attention heads over ranks: {ranks} ranks > {heads} heads of "
-                            f"{record.family}; valid: at most {heads} ranks per sequence group")
+                            f"{plan.family}; valid: at most {heads} ranks per sequence group")
     return plan
 
 

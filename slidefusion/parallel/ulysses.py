@@ -23,51 +23,39 @@ from torch import Tensor, nn
 
 from slidefusion.parallel.chunked import attention_lse, merge
 from slidefusion.parallel.comm import Comm
-from slidefusion.parallel.exchange import gather_shards, start_trade
+from slidefusion.parallel.exchange import start_trade
 from slidefusion.parallel.hooks import current_call, stock_forward
 from slidefusion.parallel.layout import Split
 from slidefusion.parallel.records import AttentionAccess, AttentionSite
+from slidefusion.parallel.tokens import Tokens
 from slidefusion.parallel.trace import Tracer
 
 
 @dataclass(frozen=True)
 class UlyssesCall:
-    """One model evaluation as the hooks see it: the group, this call's (T, H, W) token grid, the slice
-    count, and the token layout (frames kept whole, positions sharded: a model with temporal blocks;
-    else the flattened T*H*W sequence is sharded)."""
+    """One model evaluation as the hooks see it: the group, this call's tokens (`Tokens`: grid,
+    batch, layout; positions sharded within each frame for a model with temporal blocks, else the
+    flattened T*H*W sequence), and the slice count."""
 
     comm: Comm
-    grid: tuple[int, int, int]
+    tokens: Tokens
     slices: int
-    keep_frames: bool
     tracer: Tracer
 
-    def _length(self) -> int:
-        t, h, w = self.grid
-        return h * w if self.keep_frames else t * h * w
-
-    def shard(self, x: Tensor) -> Tensor:
-        """Full tokens (B, T, H, W, C) -> this rank's (B, T', L_r, 1, C), T' = T or 1."""
-        b, t, h, w, c = x.shape
-        seq = x.reshape(b, t, h * w, c) if self.keep_frames else x.reshape(b, 1, t * h * w, c)
-        start, length = Split(self._length(), self.comm.size).range(self.comm.rank)
-        return seq.narrow(2, start, length).unsqueeze(3)
-
     def gather(self, y: Tensor) -> Tensor:
-        """This rank's (B, T', L_r, 1, K) -> the full (B, T, H, W, K) on every rank (K values per token)."""
-        b, c = y.shape[0], y.shape[-1]
+        """The output module's output on this rank's tokens -> the whole of it on every rank."""
         with self.tracer.span("gather tokens"):
-            full = gather_shards(self.comm, y.squeeze(3), 2, Split(self._length(), self.comm.size))
-        return full.reshape(b, *self.grid, c)
+            return self.tokens.gather(self.comm, y)
 
     def site_tokens(self, kind: str) -> tuple[int, tuple[int, int, int]]:
         """(tokens one attention group spans, the grid its operator sees) for a site of `kind`."""
-        t, h, w = self.grid
+        t, h, w = self.tokens.grid
         return (h * w, (1, h, w)) if kind == "spatial" else (t * h * w, (t, h, w))
 
 
 class UlyssesHook:
-    """At one attention site: x (G, 1, n_r, 1, C), this rank's tokens of G attention groups."""
+    """At one attention site: x (G, ..., C) holding this rank's n_r tokens of each of G attention
+    groups ((G, 1, n_r, 1, C) for our grid operators, (G, n_r, C) for diffusers' attention)."""
 
     def __init__(self, site: AttentionSite, access: AttentionAccess):
         self.site, self.access = site, access

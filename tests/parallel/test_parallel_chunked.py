@@ -46,10 +46,10 @@ def test_hooks_are_inert_outside_a_parallel_call_and_keep_the_state_dict():
     model = random_model("dit3d-5h")
     keys = list(model.state_dict())
     before = run_sample(model, (1, 3, 2, 4, 6))
-    hooks.attach(model.blocks[0], hooks.ShardHook())
+    hooks.attach(model.blocks[0], hooks.ShardHook("full"))
     hooks.attach(model.final, hooks.GatherHook())
     for i, block in enumerate(model.blocks):
-        site = AttentionSite(i, f"blocks.{i}.attn", "full")
+        site = AttentionSite(i, f"blocks.{i}.attn", "full", False)
         hooks.attach(block.attn, UlyssesHook(site, access_for(block.attn)))
     assert hooks.hooked(model.blocks[0].attn) is not None and list(model.state_dict()) == keys
     assert torch.equal(run_sample(model, (1, 3, 2, 4, 6)), before)

@@ -52,7 +52,10 @@ class ModelAdapter:
         "BTCHW" (CogVideoX, frames first) or "packed" (LTX: (B, N, C) tokens with num_frames/height/
         width keywords); check_latents: extra shape rules (Latte's video_length);
     options: per-instance settings, with defaults, that the pipeline config may set (Wan 2.2's
-        `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance).
+        `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance);
+    grid_blocks: each block takes the token grid (B, T, H, W, C) as its first argument, returns
+        one like it, and outside its self-attention works per token or per sample, so a block can
+        run on a slab of the grid (what `offload.tiled` relies on; foreign blocks: False).
     """
 
     family: str
@@ -70,6 +73,7 @@ class ModelAdapter:
     input_layout: str = "BCTHW"
     check_latents: CheckFn | None = None
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    grid_blocks: bool = False
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""

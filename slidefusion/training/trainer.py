@@ -128,7 +128,7 @@ class Trainer:
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, "cpu" if offload else self.device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        self.optimizer = offload_optimizer(self.model, config, math.prod(grid)) if offload else ResidentOptimizer(self.model, config.optim)
+        self.optimizer = offload_optimizer(self.model, config, grid) if offload else ResidentOptimizer(self.model, config.optim)
         self.ema = EMA(self.model.state_dict(), config.optim.ema_decay) if config.optim.ema_decay else None
         self.step = 0
         self._lock: RunLock | None = None

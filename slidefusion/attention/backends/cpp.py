@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from slidefusion.attention.backends import tiled
+from slidefusion.errors import UserError
 
 Triple = tuple[int, int, int]
 
@@ -52,11 +53,14 @@ def extension():
 
 
 def forward(q, k, v, offsets, kernel: Triple, scale: float):
-    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads)."""
+    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); UserError for non-finite offsets."""
     ext = extension()
     if ext is None:
         return tiled.forward(q, k, v, offsets, kernel, scale)
-    out, lse = ext.forward(q, k, v, q.new_empty(0) if offsets is None else offsets, *kernel, scale)
+    try:
+        out, lse = ext.forward(q, k, v, q.new_empty(0) if offsets is None else offsets, *kernel, scale)
+    except ValueError as error:  # the kernel's only ValueError: offsets that are not finite
+        raise UserError(str(error).strip().splitlines()[0]) from None
     return out, lse
 
 

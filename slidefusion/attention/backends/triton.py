@@ -25,9 +25,12 @@ import triton.language as tl
 
 @triton.jit
 def _axis(pos, length):
-    """Clamp a sample coordinate into [0, length - 1]: low/high corner, fraction, not-clamped flag."""
+    """Clamp a sample coordinate into [0, length - 1]: low/high corner, fraction, not-clamped flag.
+
+    A NaN coordinate reads position 0 (an index stays in the grid); `_slot_points` makes its score NaN.
+    """
     inside = (pos > 0.0) & (pos < length - 1.0)
-    p = tl.minimum(tl.maximum(pos, 0.0), length - 1.0)
+    p = tl.minimum(tl.maximum(tl.where(pos == pos, pos, 0.0), 0.0), length - 1.0)
     f = tl.floor(p)
     lo = f.to(tl.int32)
     hi = tl.minimum(lo + 1, length - 1)
@@ -111,6 +114,7 @@ def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
             kv += wgt[:, None] * tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
             vv += wgt[:, None] * tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
         score = tl.sum(q * kv, axis=1) * scale
+        score = tl.where((pt == pt) & (ph == ph) & (pw == pw), score, float("nan"))  # NaN offsets: NaN out
         m_new = tl.maximum(m_i, score)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(score - m_new)

@@ -26,12 +26,18 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 // Without -march=native (the build is cached and may be shared between machines), the hot loops are
 // compiled several times, for AVX-512, AVX2+FMA and baseline x86-64, and the loader picks the best
@@ -98,6 +104,7 @@ struct Samples {
   std::vector<T> weight[8];       // (K,) trilinear weight of each corner
   int32_t corner[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t n_cells = 0, size = 0;  // cells, U
+  int32_t non_finite = 0;         // some offset was inf or nan
 
   explicit Samples(const Geometry& g)
       : box_rows(8 * g.K), rows(8 * g.K), cells(8 * g.K), touched(8 * g.K), base(g.K) {
@@ -124,32 +131,41 @@ SLIDE_INLINE void window_samples(const Geometry& g, int64_t t, int64_t h, int64_
 // box's [low, high] corner along the axis. A point on the last position L-1 is read as the high
 // corner of cell (L-2, L-1) with fraction 1, so every low corner has its high neighbour inside the
 // grid (an axis of length 1 has one corner).
-template <typename T>
+// SHARED: one offset for every slot (Ko = 1), else per slot (stride 3); a compile-time stride
+// keeps the loop a plain vector loop (a runtime one made it a gather).
+template <bool SHARED, typename T>
 SLIDE_INLINE void offset_axis(const Geometry& g, const Slots& slots, int a, int64_t start, int64_t L, const T* off,
                               Samples<T>& S, int64_t& box_lo, int64_t& box_hi) {
-  const int64_t step = g.Ko == 1 ? 0 : 3;
-  const T top = T(L - 1), first = T(start);
+  constexpr int64_t step = SHARED ? 0 : 3;
+  const T top = T(L - 1), first = T(start) + (SHARED ? off[a] : T(0));
   const int32_t last_lo = static_cast<int32_t>(std::max<int64_t>(L - 2, 0));
   const int32_t* slot = slots.axis[a].data();
   int32_t* lo = S.lo[a].data();
   T* frac = S.frac[a].data();
   uint8_t* gate = S.gate[a].data();
-  int32_t mn = INT_MAX, mx = 0;
-#pragma omp simd reduction(min : mn) reduction(max : mx)
+  int32_t mn = INT_MAX, mx = 0, bad = 0;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(| : bad)
   for (int64_t s = 0; s < g.K; ++s) {
-    const T pos = first + T(slot[s]) + off[step * s + a];
+    const T raw = first + T(slot[s]) + (SHARED ? T(0) : off[step * s + a]);
+    const bool finite = raw - raw == T(0);  // false for inf and nan
+    bad |= !finite;
+    const T pos = finite ? raw : T(0);  // keeps the indices in the grid; the call then fails
     // The reference clamps with clamp(min=0) then minimum(., L-1): the gradient passes on
     // [0, L-1); at L-1 it is zero (the minimum's tie, whose corners are one token).
     gate[s] = (pos >= T(0)) & (pos < top);
-    const T p = std::min(std::max(pos, T(0)), top);
-    const int32_t l = std::min(static_cast<int32_t>(p), last_lo);  // p >= 0: truncation is floor
+    // Selects, not std::min / std::max (whose reference returns are branches to the vectoriser).
+    const T above = pos > T(0) ? pos : T(0);
+    const T p = above < top ? above : top;
+    const int32_t floor = static_cast<int32_t>(p);  // p >= 0: truncation is floor
+    const int32_t l = floor < last_lo ? floor : last_lo;
     lo[s] = l;
     frac[s] = p - T(l);
-    mn = std::min(mn, l);
-    mx = std::max(mx, l);
+    mn = l < mn ? l : mn;
+    mx = l > mx ? l : mx;
   }
   box_lo = mn;
   box_hi = mx + (L > 1 ? 1 : 0);
+  S.non_finite |= bad;
 }
 
 // Corner weights of every slot, and the touched list (cells in ascending order).
@@ -183,7 +199,10 @@ SLIDE_INLINE void offset_samples(const Geometry& g, const Slots& slots, int64_t 
   const int64_t L[3] = {g.T, g.H, g.W};
   const int64_t start[3] = {window_start(t, g.kt, g.T), window_start(h, g.kh, g.H), window_start(w, g.kw, g.W)};
   int64_t box_lo[3], box_hi[3];
-  for (int a = 0; a < 3; ++a) offset_axis(g, slots, a, start[a], L[a], off, S, box_lo[a], box_hi[a]);
+  for (int a = 0; a < 3; ++a) {
+    if (g.Ko == 1) offset_axis<true>(g, slots, a, start[a], L[a], off, S, box_lo[a], box_hi[a]);
+    else offset_axis<false>(g, slots, a, start[a], L[a], off, S, box_lo[a], box_hi[a]);
+  }
   const int64_t e0 = box_hi[0] - box_lo[0] + 1, e1 = box_hi[1] - box_lo[1] + 1, e2 = box_hi[2] - box_lo[2] + 1;
   const int64_t R = g.row();
   const int32_t *l0 = S.lo[0].data(), *l1 = S.lo[1].data(), *l2 = S.lo[2].data();
@@ -409,8 +428,9 @@ struct Cursor {
   SLIDE_INLINE int64_t plane_base(const Geometry& g) const { return b * g.tokens() * g.row() + head * g.D; }
 };
 
+// Returns whether some offset was not finite (such points are read at 0, and the call fails).
 template <bool OFF, int DC, typename T>
-SLIDE_INLINE void forward_range(const Geometry& g, const Slots& slots, const Ptrs<T>& x, int64_t begin, int64_t end) {
+SLIDE_INLINE int32_t forward_range(const Geometry& g, const Slots& slots, const Ptrs<T>& x, int64_t begin, int64_t end) {
   Samples<T> S(g);
   Work<T> Wk(g);
   Cursor at(g, begin);
@@ -420,6 +440,7 @@ SLIDE_INLINE void forward_range(const Geometry& g, const Slots& slots, const Ptr
     else window_samples(g, at.t, at.h, at.w, S);
     forward_one<OFF, DC>(g, S, Wk, x.q + row, x.k + base, x.v + base, x.out_w + row, x.lse_w + qh);
   }
+  return S.non_finite;
 }
 
 // dk, dv: the gradient buffers this range adds into.
@@ -440,10 +461,9 @@ SLIDE_INLINE void backward_range(const Geometry& g, const Slots& slots, const Pt
 
 // Entry points compiled once per instruction set (see SLIDE_CLONES); the loader picks the best.
 #define SLIDE_ENTRIES(T, DC)                                                                                  \
-  SLIDE_CLONES void forward_##T##_##DC(const Geometry& g, const Slots& sl, const Ptrs<T>& x, int64_t b,       \
-                                       int64_t e) {                                                          \
-    if (g.has_off) forward_range<true, DC>(g, sl, x, b, e);                                                  \
-    else forward_range<false, DC>(g, sl, x, b, e);                                                           \
+  SLIDE_CLONES int32_t forward_##T##_##DC(const Geometry& g, const Slots& sl, const Ptrs<T>& x, int64_t b,    \
+                                          int64_t e) {                                                       \
+    return g.has_off ? forward_range<true, DC>(g, sl, x, b, e) : forward_range<false, DC>(g, sl, x, b, e);   \
   }                                                                                                          \
   SLIDE_CLONES void backward_##T##_##DC(const Geometry& g, const Slots& sl, const Ptrs<T>& x, T* dk, T* dv,   \
                                         int64_t b, int64_t e) {                                              \
@@ -457,7 +477,7 @@ SLIDE_ENTRIES(float, 128)
 SLIDE_ENTRIES(double, 0)
 
 template <typename T>
-void forward_rows(const Geometry& g, const Slots& sl, const Ptrs<T>& x, int64_t b, int64_t e) {
+int32_t forward_rows(const Geometry& g, const Slots& sl, const Ptrs<T>& x, int64_t b, int64_t e) {
   if constexpr (std::is_same_v<T, float>) {
     if (g.D == 32) return forward_float_32(g, sl, x, b, e);
     if (g.D == 64) return forward_float_64(g, sl, x, b, e);
@@ -497,7 +517,12 @@ bool planes_per_thread(const Geometry& g, int64_t threads) {
 template <typename T>
 void run_forward(const Geometry& g, const Ptrs<T>& x) {
   const Slots sl(g);
-  at::parallel_for(0, g.planes() * g.tokens(), GRAIN, [&](int64_t b, int64_t e) { forward_rows(g, sl, x, b, e); });
+  std::atomic<int32_t> non_finite{0};
+  at::parallel_for(0, g.planes() * g.tokens(), GRAIN, [&](int64_t b, int64_t e) {
+    if (forward_rows(g, sl, x, b, e)) non_finite = 1;
+  });
+  // ValueError in Python; cpp.py turns it into the one-line UserError.
+  TORCH_CHECK_VALUE(!non_finite, "offsets must be finite; got inf or nan");
 }
 
 template <typename T>
@@ -521,6 +546,24 @@ void run_backward(const Geometry& g, const Ptrs<T>& x, torch::Tensor& dk, torch:
   dv.copy_(dv_all.sum(0).view(dv.sizes()));
 }
 
+// Fresh output buffers are first touched here, one page fault per 4 KiB (the per-sample offsets'
+// gradient is 115 MB at 16x32x32, 3x7x7, 4 heads: ~20 ms of faults). Asking for transparent huge
+// pages on the large ones makes that ~500 times fewer faults; it is only a hint, harmless where
+// THP is off.
+torch::Tensor huge_pages(torch::Tensor t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const auto bytes = static_cast<uintptr_t>(t.numel() * t.element_size());
+  if (bytes >= 2 * kHuge) {
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const auto start = (reinterpret_cast<uintptr_t>(t.data_ptr()) + page - 1) / page * page;
+    const auto end = reinterpret_cast<uintptr_t>(t.data_ptr()) + bytes;
+    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
+  }
+#endif
+  return t;
+}
+
 }  // namespace
 
 // Returns (out, lse); `offsets` is an empty tensor for neighbourhood attention.
@@ -528,7 +571,7 @@ std::vector<torch::Tensor> slide_forward(torch::Tensor q, torch::Tensor k, torch
                                          int64_t kt, int64_t kh, int64_t kw, double scale) {
   q = q.contiguous(), k = k.contiguous(), v = v.contiguous(), offsets = offsets.contiguous();
   const Geometry g = geometry(q, offsets, kt, kh, kw, scale);
-  auto out = torch::empty_like(q);
+  auto out = huge_pages(torch::empty_like(q));
   auto lse = torch::empty(q.sizes().slice(0, 5), q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slide_forward", [&] {
     Ptrs<scalar_t> x{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
@@ -546,10 +589,10 @@ std::vector<torch::Tensor> slide_backward(torch::Tensor q, torch::Tensor k, torc
   q = q.contiguous(), k = k.contiguous(), v = v.contiguous(), offsets = offsets.contiguous();
   lse = lse.contiguous(), delta = delta.to(q.scalar_type()).contiguous(), dout = dout.contiguous();
   const Geometry g = geometry(q, offsets, kt, kh, kw, scale);
-  auto dq = torch::empty_like(q);
-  auto dk = torch::zeros_like(q);
-  auto dv = torch::zeros_like(q);
-  auto doff = torch::empty_like(offsets);  // every query-head writes its (Ko, 3) block
+  auto dq = huge_pages(torch::empty_like(q));
+  auto dk = huge_pages(torch::empty_like(q)).zero_();
+  auto dv = huge_pages(torch::empty_like(q)).zero_();
+  auto doff = huge_pages(torch::empty_like(offsets));  // every query-head writes its (Ko, 3) block
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "slide_backward", [&] {
     Ptrs<scalar_t> x{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                      g.has_off ? offsets.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),

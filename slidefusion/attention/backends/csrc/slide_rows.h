@@ -27,6 +27,16 @@ SLIDE_INLINE float hsum(v16f v) {
   const v4f c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
   return c[0] + c[1];
 }
+// Both sums of x and y with one shared reduction tree (the backward takes two dot products per token).
+SLIDE_INLINE void hsum2(v16f x, v16f y, float& sx, float& sy) {
+  const v16f s = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v8f a = __builtin_shufflevector(s, s, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(s, s, 4, 5, 6, 7, 12, 13, 14, 15);  // x in 0-3, y in 4-7
+  const v4f b = __builtin_shufflevector(a, a, 0, 1, 4, 5) + __builtin_shufflevector(a, a, 2, 3, 6, 7);
+  sx = b[0] + b[1];
+  sy = b[2] + b[3];
+}
 // A row held in registers.
 template <int DC>
 struct Reg {
@@ -48,6 +58,12 @@ struct Reg {
     v16f s = x[0] * vload(p);
     for (int i = 1; i < DC / 16; ++i) s += x[i] * vload(p + 16 * i);
     return hsum(s);
+  }
+  // this . p and other . o, reduced together.
+  SLIDE_INLINE void dot2(const float* p, const Reg& other, const float* o, float& sp, float& so) const {
+    v16f a = x[0] * vload(p), b = other.x[0] * vload(o);
+    for (int i = 1; i < DC / 16; ++i) a += x[i] * vload(p + 16 * i), b += other.x[i] * vload(o + 16 * i);
+    hsum2(a, b, sp, so);
   }
   SLIDE_INLINE void add(float alpha, const float* p) {  // this += alpha * row p
     for (int i = 0; i < DC / 16; ++i) x[i] += alpha * vload(p + 16 * i);
@@ -111,8 +127,10 @@ SLIDE_INLINE void row_scores_and_dp(const T* q, const T* dout, const T* kb, cons
   if constexpr (kVector<DC, T>) {
     const auto qr = Reg<DC>::load(q), dr = Reg<DC>::load(dout);
     for (int64_t j = 0; j < U; ++j) {
-      score[cells[j]] = scale * qr.dot(kb + rows[j]);
-      dP[cells[j]] = dr.dot(vb + rows[j]);
+      float s, d;
+      qr.dot2(kb + rows[j], dr, vb + rows[j], s, d);
+      score[cells[j]] = scale * s;
+      dP[cells[j]] = d;
     }
   } else {
     for (int64_t j = 0; j < U; ++j) {
@@ -155,7 +173,9 @@ SLIDE_INLINE void row_gradients(const T* q, const T* dout, const T* kb, const in
 // anyway) and must stay below 88. double: the library exp.
 SLIDE_INLINE float softmax_exp(float x) {
   x = x > -87.0f ? x : -87.0f;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  // n = round(x / ln 2) by the 1.5 * 2^23 trick: plain arithmetic, unlike floorf, which in the
+  // baseline compilation of this inline code becomes a library call and stops the vectoriser.
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;

@@ -173,8 +173,8 @@ class SlideAttention3d(GridAttention):
         return off.reshape(B, T, H, W, heads, -1, 3)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kernel = effective_kernel(self.kernel_size, tuple(q.shape[1:4]))
-        return slide_attention(q, k, v, kernel, offsets=self.offsets(q, kernel))
+        kernel = effective_kernel(self.kernel_size, tuple(q.shape[1:4]))  # the window the op will use
+        return slide_attention(q, k, v, self.kernel_size, offsets=self.offsets(q, kernel))
 
     def extra_repr(self) -> str:
         return (

@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from slidefusion.attention.backends.triton import slide_attention_triton  # noqa: E402
+from slidefusion.attention import slide_attention  # noqa: E402
 from slidefusion.attention.reference import slide_attention_reference  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] != "1" else "cpu"
@@ -35,7 +35,7 @@ def test_triton_matches_reference_forward_and_backward(grid, kernel, mode):
         off = ((torch.rand(1, *grid, 2, K if mode == "sample" else 1, 3, generator=g) * 2 - 1) * 1.3 + 0.01)
         off = off.to(DEVICE).requires_grad_()
     inputs = (q, k, v) if off is None else (q, k, v, off)
-    out = slide_attention_triton(q, k, v, kernel, off)
+    out = slide_attention(q, k, v, kernel, off, backend="triton")
     ref = slide_attention_reference(q, k, v, kernel, off)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -287,24 +287,6 @@ SLIDE_INLINE void spread(const Geometry& g, const Samples<T>& S, const T* const 
   }
 }
 
-// Softmax of z (K) in place; returns its log-sum-exp.
-template <typename T>
-SLIDE_INLINE T softmax(T* z, int64_t K) {
-  T m = z[0];
-#pragma omp simd reduction(max : m)
-  for (int64_t s = 0; s < K; ++s) m = z[s] > m ? z[s] : m;  // a select, not std::max's branch: it vectorises
-  T l = 0;
-#pragma omp simd reduction(+ : l)
-  for (int64_t s = 0; s < K; ++s) {
-    z[s] = softmax_exp(z[s] - m);
-    l += z[s];
-  }
-  const T inv = T(1) / l;
-#pragma omp simd
-  for (int64_t s = 0; s < K; ++s) z[s] *= inv;
-  return m + std::log(l);
-}
-
 // One query-head: out (D) and its log-sum-exp. kb, vb: this plane's token 0.
 template <bool OFF, int DC, typename T>
 SLIDE_INLINE void forward_one(const Geometry& g, const Samples<T>& S, Work<T>& Wk, const T* q, const T* kb,

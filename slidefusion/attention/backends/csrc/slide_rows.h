@@ -1,6 +1,6 @@
 // Row math of the slide attention CPU kernel (`slide_cpu.cpp`): dot products and axpys over the
-// D numbers of one (token, head) row, and the softmax's exp. Included once, inside that file's
-// anonymous namespace, after SLIDE_INLINE and Geometry are defined.
+// D numbers of one (token, head) row, and the softmax over a query's slots. Included once, inside
+// that file's anonymous namespace, after SLIDE_INLINE and Geometry are defined.
 
 // Head sizes compiled with a constant D (fully unrolled rows); others use DC = 0, a runtime D.
 template <int DC>
@@ -191,3 +191,20 @@ SLIDE_INLINE float softmax_exp(float x) {
 }
 SLIDE_INLINE double softmax_exp(double x) { return std::exp(x); }
 
+// Softmax of z (K) in place; returns its log-sum-exp.
+template <typename T>
+SLIDE_INLINE T softmax(T* z, int64_t K) {
+  T m = z[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t s = 0; s < K; ++s) m = z[s] > m ? z[s] : m;  // a select, not std::max's branch: it vectorises
+  T l = 0;
+#pragma omp simd reduction(+ : l)
+  for (int64_t s = 0; s < K; ++s) {
+    z[s] = softmax_exp(z[s] - m);
+    l += z[s];
+  }
+  const T inv = T(1) / l;
+#pragma omp simd
+  for (int64_t s = 0; s < K; ++s) z[s] *= inv;
+  return m + std::log(l);
+}

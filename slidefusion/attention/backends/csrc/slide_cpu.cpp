@@ -239,9 +239,9 @@ SLIDE_INLINE void offset_samples(const Geometry& g, const Slots& slots, int64_t 
 // Per-thread work arrays, per cell (8*K at most) or per slot.
 template <typename T>
 struct Work {
-  std::vector<T> score, dscore, A, dP;  // per cell
+  std::vector<T> score, A, dP, pair;  // per cell; pair: (A, d loss / d score) interleaved
   std::vector<T> prob, dlogit, grad[3];  // per slot; grad: d loss / d point per axis
-  explicit Work(const Geometry& g) : score(8 * g.K), dscore(8 * g.K), A(8 * g.K), dP(8 * g.K), prob(g.K), dlogit(g.K) {
+  explicit Work(const Geometry& g) : score(8 * g.K), A(8 * g.K), dP(8 * g.K), pair(16 * g.K), prob(g.K), dlogit(g.K) {
     for (auto& x : grad) x.resize(g.K);
   }
 };
@@ -268,22 +268,37 @@ SLIDE_INLINE void slot_read(const Geometry& g, const Samples<T>& S, const T* __r
   }
 }
 
-// Adjoint of slot_read for NX per-slot arrays at once: dst[i][cell] = sum over corners landing on
-// the cell of src[i][s] * weight. Without offsets a copy.
-template <bool OFF, int NX, typename T>
-SLIDE_INLINE void spread(const Geometry& g, const Samples<T>& S, const T* const (&src)[NX], T* const (&dst)[NX]) {
-  for (int i = 0; i < NX; ++i) {
-    if (!OFF) std::copy(src[i], src[i] + g.K, dst[i]);
-    else std::fill(dst[i], dst[i] + S.n_cells, T(0));
+// Adjoint of slot_read: dst[cell] = sum over corners landing on the cell of src[s] * weight.
+// Without offsets a copy.
+template <bool OFF, typename T>
+SLIDE_INLINE void spread(const Geometry& g, const Samples<T>& S, const T* __restrict src, T* __restrict dst) {
+  if (!OFF) {
+    std::copy(src, src + g.K, dst);
+    return;
   }
-  if (!OFF) return;
+  std::fill(dst, dst + S.n_cells, T(0));
   for (int64_t s = 0; s < g.K; ++s) {
     const int32_t b = S.base[s];
-    for (int c = 0; c < 8; ++c) {
-      const int32_t at = b + S.corner[c];
-      const T w = S.weight[c][s];
-      for (int i = 0; i < NX; ++i) dst[i][at] += src[i][s] * w;
-    }
+    for (int c = 0; c < 8; ++c) dst[b + S.corner[c]] += src[s] * S.weight[c][s];
+  }
+}
+
+// spread of two per-slot arrays (a, b) into one interleaved per-cell array: pair[2*cell + {0, 1}].
+// One read-modify-write of two adjacent numbers per corner instead of two scattered ones.
+template <bool OFF, typename T>
+SLIDE_INLINE void spread_pair(const Geometry& g, const Samples<T>& S, const T* __restrict a, const T* __restrict b,
+                              T* __restrict pair) {
+  typedef T two __attribute__((vector_size(2 * sizeof(T)), may_alias));
+  two* cells = reinterpret_cast<two*>(pair);
+  if (!OFF) {
+    for (int64_t s = 0; s < g.K; ++s) cells[s] = two{a[s], b[s]};
+    return;
+  }
+  std::fill(pair, pair + 2 * S.n_cells, T(0));
+  for (int64_t s = 0; s < g.K; ++s) {
+    const int32_t at = S.base[s];
+    const two ab = {a[s], b[s]};
+    for (int c = 0; c < 8; ++c) cells[at + S.corner[c]] += ab * S.weight[c][s];
   }
 }
 
@@ -296,9 +311,7 @@ SLIDE_INLINE void forward_one(const Geometry& g, const Samples<T>& S, Work<T>& W
   T* z = Wk.prob.data();
   slot_read<OFF>(g, S, score, z);
   *lse = softmax(z, g.K);
-  const T* src[1] = {z};
-  T* const dst[1] = {Wk.A.data()};
-  spread<OFF>(g, S, src, dst);
+  spread<OFF>(g, S, z, Wk.A.data());
   weighted_rows<DC>(Wk.A.data(), vb, S.rows.data(), S.cells.data(), S.size, out, dim<DC>(g));
 }
 
@@ -373,11 +386,8 @@ SLIDE_INLINE void backward_one(const Geometry& g, const Samples<T>& S, Work<T>& 
   } else {
     slot_terms<false>(g, S, Wk, lse, delta, doff);
   }
-  const T* src[2] = {p, ds};
-  T* const dst[2] = {Wk.A.data(), Wk.dscore.data()};
-  spread<OFF>(g, S, src, dst);
-  row_gradients<DC>(q, dout, kb, S.rows.data(), S.cells.data(), S.size, Wk.A.data(), Wk.dscore.data(), dq, dkb, dvb,
-                    dim<DC>(g));
+  spread_pair<OFF>(g, S, p, ds, Wk.pair.data());
+  row_gradients<DC>(q, dout, kb, S.rows.data(), S.cells.data(), S.size, Wk.pair.data(), dq, dkb, dvb, dim<DC>(g));
 }
 
 // The kernel's tensors (contiguous). Outputs: out, lse (forward); dq, dk, dv, doff (backward).

@@ -140,29 +140,30 @@ SLIDE_INLINE void row_scores_and_dp(const T* q, const T* dout, const T* kb, cons
   }
 }
 
-// dq = sum_j ds[c] k(rows[j]); dk(rows[j]) += ds[c] q; dv(rows[j]) += A[c] dout, with c = cells[j].
+// With c = cells[j], (A, ds) = (pair[2c], pair[2c + 1]): dq = sum_j ds k(rows[j]);
+// dk(rows[j]) += ds q; dv(rows[j]) += A dout.
 template <int DC, typename T>
 SLIDE_INLINE void row_gradients(const T* q, const T* dout, const T* kb, const int64_t* rows, const int32_t* cells,
-                                int64_t U, const T* A, const T* ds, T* dq, T* dkb, T* dvb, int64_t D) {
+                                int64_t U, const T* pair, T* dq, T* dkb, T* dvb, int64_t D) {
   if constexpr (kVector<DC, T>) {
     const auto qr = Reg<DC>::load(q), dr = Reg<DC>::load(dout);
     auto acc = Reg<DC>::zero();
     for (int64_t j = 0; j < U; ++j) {
       const int64_t at = rows[j];
-      const T d = ds[cells[j]];
+      const T a = pair[2 * cells[j]], d = pair[2 * cells[j] + 1];
       acc.add(d, kb + at);
       qr.add_to(d, dkb + at);
-      dr.add_to(A[cells[j]], dvb + at);
+      dr.add_to(a, dvb + at);
     }
     acc.store(dq);
   } else {
     std::fill(dq, dq + D, T(0));
     for (int64_t j = 0; j < U; ++j) {
       const int64_t at = rows[j];
-      const T d = ds[cells[j]];
+      const T a = pair[2 * cells[j]], d = pair[2 * cells[j] + 1];
       axpy(d, kb + at, dq, D);
       axpy(d, q, dkb + at, D);
-      axpy(A[cells[j]], dout, dvb + at, D);
+      axpy(a, dout, dvb + at, D);
     }
   }
 }

@@ -111,6 +111,7 @@ HUNYUAN = ModelAdapter(
                   256, "encoder", pooled=True),
     pipelines=("HunyuanVideoPipeline",), text_dim="text_embed_dim", pooled_dim="pooled_projection_dim",
     options=MappingProxyType({"guidance_scale": 6.0}),  # HunyuanVideoPipeline's default
+    schedule="linspace", guidance="embedded",
 )
 
 
@@ -149,6 +150,7 @@ LTX = ModelAdapter(
     input_layout="packed", text_dim="caption_channels",
     # LTXPipeline: (VAE temporal compression / frame_rate, spatial, spatial) = (8 / 25, 32, 32) by default
     options=MappingProxyType({"rope_interpolation_scale": (8 / 25, 32, 32)}),
+    schedule="shifted-linspace",
 )
 
 
@@ -165,7 +167,7 @@ MOCHI = ModelAdapter(
     # Mochi's scheduler inverts the sigmas: the model sees (1 - sigma) * 1000 and predicts x0 - noise.
     objective=Objective("flow", "1-sigma", 1000.0, "FlowMatchEulerDiscreteScheduler", velocity="x0-noise"),
     text=TextSpec(**ONE_T5, max_length=256, padding="encoder"),
-    pipelines=("MochiPipeline",), text_dim="text_embed_dim",
+    pipelines=("MochiPipeline",), text_dim="text_embed_dim", schedule="linear-quadratic",
 )
 
 

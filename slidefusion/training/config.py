@@ -37,6 +37,7 @@ class DataConfig:
     root: str | None = None  # the video folder, for kind="folder"
     stride: int = 1  # frame stride when reading real videos
     fps: int = 8  # playback rate of exported videos
+    cache_dir: str | None = None  # latent and text caches of a diffusers fine-tune (null: RUN/cache)
 
     def __post_init__(self):
         for name in ("frames", "height", "width", "num_samples", "max_objects", "stride", "fps"):

@@ -49,8 +49,12 @@ def _train(trainer, args) -> None:
 
 
 def _pipeline(args, checkpoint):
-    from slidefusion.pipeline import VideoPipeline
+    from slidefusion.pipeline import FolderPipeline, VideoPipeline
 
+    if getattr(args, "pretrained", None):
+        if checkpoint not in (_REQUIRED, None) or getattr(args, "init", "checkpoint") == "random" or args.model:
+            raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
+        return FolderPipeline.from_pretrained(args.pretrained, device=args.device)
     if getattr(args, "init", "checkpoint") == "random":
         if not args.model:
             raise UserError("--init random needs --model PRESET (e.g. stdit-tiny)")
@@ -60,7 +64,7 @@ def _pipeline(args, checkpoint):
     if getattr(args, "model", None):
         raise UserError("--model is only for --init random; a checkpoint brings its own model")
     if checkpoint is _REQUIRED:
-        raise UserError("--checkpoint DIR is required unless --init random --model PRESET is given")
+        raise UserError("--checkpoint DIR is required unless --pretrained DIR or --init random --model PRESET is given")
     return VideoPipeline.from_checkpoint(checkpoint, device=args.device)
 
 
@@ -73,6 +77,12 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         check_video_path(out)
         output_path(out, "--out")
     start = time.perf_counter()
+    if getattr(args, "pretrained", None):  # sizes against the folder's VAE and patch, before loading weights
+        from slidefusion.pretrained import check_sizes, open_folder
+
+        folder = open_folder(args.pretrained)
+        if None not in (args.frames, args.height, args.width):
+            check_sizes(folder, args.frames, args.height, args.width)
     pipe = _pipeline(args, checkpoint)
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet)
@@ -80,14 +90,23 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         print(f"wrote {save_latents(args.save_latents, latents)}")
     video = pipe.decode(latents)
     for out in outs:
-        write_video(out, video, fps=pipe.config.data.fps)
+        write_video(out, video, fps=pipe.fps)
         print(f"wrote {out}")
     print(f"{prompt!r}: {video.shape[1]} frames of {video.shape[2]}x{video.shape[3]} in {time.perf_counter() - start:.1f} s")
 
 
 def cmd_generate(args) -> None:
-    from slidefusion.parallel.cli import generate_parallel, reject_parallel_options
+    from slidefusion.parallel.cli import generate_parallel, generate_pretrained_parallel, reject_parallel_options
 
+    if args.pretrained:
+        missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
+        if missing:
+            raise UserError(f"--pretrained needs {', '.join(missing)}: the video size in pixels (for Wan, frames "
+                            "1 + 4k and sides multiples of 16, e.g. --frames 33 --height 480 --width 832)")
+    if args.parallel and args.pretrained:
+        if args.checkpoint is not _REQUIRED or args.init == "random" or args.model:
+            raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
+        return generate_pretrained_parallel(args)
     if getattr(args, "parallel", None):
         return generate_parallel(args, lambda a: _pipeline(a, a.checkpoint))
     reject_parallel_options(args)
@@ -150,6 +169,9 @@ def parser() -> ArgumentParser:
 
     generate = sub.add_parser("generate", help="generate a video from a prompt")
     generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")
+    generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
+                          help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
+                               "sampled with its own scheduler")
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")

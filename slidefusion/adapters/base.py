@@ -59,7 +59,8 @@ class ModelAdapter:
         "linear-quadratic" (Mochi's schedule);
     guidance: "cfg" (a conditional and an unconditional prediction) or "embedded" (the scale is an
         input of a guidance-distilled model, HunyuanVideo);
-    lora_targets: the modules LoRA adapts by default (peft `target_modules`: name suffixes).
+    lora_targets: the modules LoRA adapts by default (peft `target_modules`: name suffixes);
+    fps: the frame rate the family's examples write videos at (`export_to_video(..., fps=)`).
     """
 
     family: str
@@ -80,6 +81,7 @@ class ModelAdapter:
     schedule: str = "default"
     guidance: str = "cfg"
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    fps: int = 16
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""

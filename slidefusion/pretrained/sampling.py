@@ -57,12 +57,27 @@ def latent_shape(adapter: ModelAdapter, model: nn.Module, vae_config, frames: in
     time = 1 if vae_class in IMAGE_VAES else int(time or 1)
     check(space is not None, f"the VAE's config ({vae_class}) does not say its spatial compression")
     check(frames >= 1 and (frames - 1) % time == 0,
-          f"frames={frames} is not allowed by this VAE; valid: 1 + {time}k (e.g. {1 + 4 * time})")
+          f"frames={frames} is not allowed by this VAE; valid: 1 + {time}k (e.g. {1 + time}, {1 + 2 * time})")
     check(height % space == 0 and width % space == 0,
           f"height={height} and width={width} must be multiples of the VAE's {space}-pixel latent cell")
     shape = (1, adapter.latent_channels(model), (frames - 1) // time + 1, height // space, width // space)
     adapter.token_grid(model, shape)  # the patch and the family's rules, by name
     return shape
+
+
+def check_sizes(folder, frames: int, height: int, width: int) -> tuple[int, ...]:
+    """`latent_shape` for a pipeline folder from its config files alone (no weights are read), for
+    every transformer it holds: bad sizes fail in a second, before minutes of loading."""
+    from slidefusion.pretrained.build import build_on_meta
+    from slidefusion.pretrained.folder import PretrainedFolder, open_folder, read_json
+    from slidefusion.pretrained.parts import require_pipeline
+
+    folder = folder if isinstance(folder, PretrainedFolder) else open_folder(folder)
+    require_pipeline(folder, "generating")
+    vae = read_json(folder.component_dir("vae") / "config.json", "VAE config")
+    shapes = {latent_shape(folder.adapter(e.name), build_on_meta(folder, e.name), vae, frames, height, width)
+              for e in folder.experts()}
+    return shapes.pop()
 
 
 def parts_latent_shape(parts, request: Request) -> tuple[int, ...]:

@@ -78,11 +78,11 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         output_path(out, "--out")
     start = time.perf_counter()
     if getattr(args, "pretrained", None):  # sizes against the folder's VAE and patch, before loading weights
-        from slidefusion.pretrained import check_sizes, open_folder
+        from slidefusion.pretrained import check_generation, open_folder
 
         folder = open_folder(args.pretrained)
         if None not in (args.frames, args.height, args.width):
-            check_sizes(folder, args.frames, args.height, args.width)
+            check_generation(folder, args.frames, args.height, args.width)
     pipe = _pipeline(args, checkpoint)
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet)

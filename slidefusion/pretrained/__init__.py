@@ -30,7 +30,7 @@ from slidefusion.pretrained.prompts import encode_prompts  # noqa: E402
 from slidefusion.pretrained.safetensors_io import TensorEntry, read_header, stream_tensors  # noqa: E402
 from slidefusion.pretrained.sampling import (  # noqa: E402
     Request,
-    check_sizes,
+    check_generation,
     decode,
     denoise,
     initial_noise,
@@ -41,7 +41,7 @@ from slidefusion.pretrained.sampling import (  # noqa: E402
 )
 
 __all__ = ["Expert", "PretrainedFolder", "PretrainedParts", "Request", "TensorEntry", "assign_weights", "build_on_meta",
-           "check_sizes", "decode", "denoise", "encode_prompts", "folder_adapter", "initial_noise", "iter_weights", "latent_shape",
+           "check_generation", "decode", "denoise", "encode_prompts", "folder_adapter", "initial_noise", "iter_weights", "latent_shape",
            "load_component", "load_scheduler", "load_text_encoders", "load_transformer", "load_vae", "open_folder",
            "parts_latent_shape", "read_header", "require_pipeline", "sample_latents", "set_schedule", "stream_tensors",
            "transformer_class", "weight_entries"]

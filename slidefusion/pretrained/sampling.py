@@ -65,9 +65,10 @@ def latent_shape(adapter: ModelAdapter, model: nn.Module, vae_config, frames: in
     return shape
 
 
-def check_sizes(folder, frames: int, height: int, width: int) -> tuple[int, ...]:
-    """`latent_shape` for a pipeline folder from its config files alone (no weights are read), for
-    every transformer it holds: bad sizes fail in a second, before minutes of loading."""
+def check_generation(folder, frames: int, height: int, width: int) -> tuple[int, ...]:
+    """`latent_shape` for a pipeline folder from its config files and shard headers alone (no weights
+    are read), for every transformer it holds: bad sizes and missing shards fail in a second, before
+    minutes of loading."""
     from slidefusion.pretrained.build import build_on_meta
     from slidefusion.pretrained.folder import PretrainedFolder, open_folder, read_json
     from slidefusion.pretrained.parts import require_pipeline
@@ -75,6 +76,8 @@ def check_sizes(folder, frames: int, height: int, width: int) -> tuple[int, ...]
     folder = folder if isinstance(folder, PretrainedFolder) else open_folder(folder)
     require_pipeline(folder, "generating")
     vae = read_json(folder.component_dir("vae") / "config.json", "VAE config")
+    for expert in folder.experts():
+        folder.weight_entries(expert.name)
     shapes = {latent_shape(folder.adapter(e.name), build_on_meta(folder, e.name), vae, frames, height, width)
               for e in folder.experts()}
     return shapes.pop()

@@ -121,6 +121,9 @@ class OwnModelTask:
 
         return loss
 
+    def prepare(self) -> None:
+        """Nothing is deferred: the model and optimizer are built with the task."""
+
     def weights(self, state: dict) -> dict:
         """What a checkpoint's model.safetensors holds, from the optimizer's `model_state_dict()`."""
         return state

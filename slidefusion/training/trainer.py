@@ -71,11 +71,22 @@ class Trainer:
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
         self.task = build_task(config, self.device, self.run_dir, quiet)
-        self.model, self.optimizer = self.task.model, self.task.optimizer
-        self.ema = EMA(self._weights(), config.optim.ema_decay) if config.optim.ema_decay else None
+        self.model = self.optimizer = self.ema = None
+        if not getattr(self.task, "lazy", False):
+            self.prepare()
         self.step = 0
         self._lock: RunLock | None = None
         self._continues = False  # True once this trainer resumed the run, or wrote into its folder
+
+    def prepare(self) -> None:
+        """Build what the task defers until the run is known to go ahead (a diffusers folder's caches
+        and weights: after `resume` checked its checkpoint, or when training starts), once."""
+        if self.model is not None:
+            return
+        self.task.prepare()
+        self.model, self.optimizer = self.task.model, self.task.optimizer
+        decay = self.config.optim.ema_decay
+        self.ema = EMA(self._weights(), decay) if decay else None
 
     # -- the run folder ---------------------------------------------------------------------------
 
@@ -134,6 +145,7 @@ class Trainer:
         if bad is not None:
             raise UserError(f"--resume {ckpt.path}: weight {bad} holds NaN or infinity; resume from an earlier checkpoint")
         self._warn_changed(saved, ckpt.path)
+        self.prepare()
         self.task.load_weights(ckpt.model, ckpt.path)
         try:
             self.optimizer.load_state_dict(self._optimizer_state(ckpt))
@@ -180,6 +192,7 @@ class Trainer:
         bad = first_nonfinite(ckpt.sampling_weights)
         if bad is not None:
             raise UserError(f"--init-from {ckpt.path}: weight {bad} holds NaN or infinity; use another checkpoint")
+        self.prepare()
         loaded, skipped = load_matching(self.model, ckpt.sampling_weights)
         if self.ema is not None:
             self.ema = EMA(self._weights(), self.ema.decay)
@@ -229,6 +242,7 @@ class Trainer:
         result = TrainResult(self.run_dir)
         with self.lock():
             self._claim_folder()
+            self.prepare()
             writer = _tensorboard(self.run_dir) if run.tensorboard else None
             start = time.perf_counter()
             bar = tqdm(total=until, initial=self.step, desc=run.name, disable=self.quiet, dynamic_ncols=True)

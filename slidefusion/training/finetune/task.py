@@ -59,7 +59,11 @@ def dataset_caption(dataset, index: int) -> str:
 
 
 class FolderTask:
-    """See the module docstring. Attributes the trainer reads: `model`, `optimizer`."""
+    """See the module docstring. Steps 2 and 3 wait for `prepare()` (the trainer calls it once the run
+    goes ahead: after --resume checked its checkpoint), so bad input costs no cache. Attributes the
+    trainer reads then: `model`, `optimizer`."""
+
+    lazy = True
 
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
         from slidefusion.pretrained import build_on_meta, folder_adapter, latent_shape, load_scheduler, open_folder
@@ -74,6 +78,7 @@ class FolderTask:
         vae_config = read_json(folder.component_dir("vae") / "config.json", "VAE config")
         self.adapter = adapter = folder_adapter(folder, vae_config, cfg.expert)
         meta = build_on_meta(folder, cfg.expert)
+        folder.weight_entries(cfg.expert)  # every shard there, before anything is cached
         data = config.data
         try:
             self.latent = latent_shape(adapter, meta, vae_config, data.frames, data.height, data.width)[1:]
@@ -91,9 +96,15 @@ class FolderTask:
                               "training resident", "train with --offload, or use lora.rank")
         self.dataset = build_dataset(**data_options(data))
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
-        self.cache = self._cache(run_dir, quiet)
-        self.model = meta
-        self.optimizer = self._offloaded() if config.offload.enabled else self._resident()
+        self.run_dir, self.quiet = run_dir, quiet
+        self.model, self.optimizer, self.cache = meta, None, None
+
+    def prepare(self) -> None:
+        """The caches, then the transformer and its optimizer (see the module docstring)."""
+        if self.optimizer is not None:
+            return
+        self.cache = self._cache(self.run_dir, self.quiet)
+        self.optimizer = self._offloaded() if self.config.offload.enabled else self._resident()
 
     # ---------------------------------------------------------------- caches
     def _cache(self, run_dir: Path, quiet: bool) -> FinetuneCache:

@@ -11,7 +11,7 @@ from slidefusion.offload.config import DTYPES
 from slidefusion.offload.engine import OffloadEngine
 from slidefusion.offload.planner import Workload, activation_parts, auto_resident_blocks, engine_plan, require_fit
 from slidefusion.offload.policy import OffloadPolicy
-from slidefusion.offload.shapes import shape_of_config
+from slidefusion.offload.shapes import ModelShape, shape_of_config
 
 
 def offload_policy(config) -> OffloadPolicy:
@@ -25,12 +25,15 @@ def offload_policy(config) -> OffloadPolicy:
                          spill_dir=off.spill_dir, spill_after=off.spill_after_bytes)
 
 
-def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int]) -> OffloadEngine:
+def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int],
+                      shape: ModelShape | None = None) -> OffloadEngine:
     """An `OffloadEngine` for a `TrainConfig`, once the planner says it fits; `grid` (T, H, W),
-    the token grid of one sample, sizes the activations."""
+    the token grid of one sample, sizes the activations; `shape`: the model's (default: from
+    `config.model`, one of our presets)."""
     off, run = config.offload, config.run
-    policy, blocks, shape = offload_policy(config), engine_blocks(model), shape_of_config(config.model)
-    work = Workload(batch=run.batch_size, tokens=math.prod(grid), attention=_attention_kind(config.model.attention),
+    policy, blocks = offload_policy(config), engine_blocks(model)
+    shape = shape or shape_of_config(config.model)
+    work = Workload(batch=run.batch_size, tokens=math.prod(grid), attention=_attention_kind(shape.attention),
                     frames=grid[0])
     if off.tile == "auto":
         policy = dataclasses.replace(policy, tile=_auto_tile(model, blocks, policy, shape, work))
@@ -67,4 +70,4 @@ def engine_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def _attention_kind(name: str) -> str:
-    return name if name in ("dense", "window", "slide") else "dense"  # unknown operators: the worst case
+    return name if name in ("dense", "flash", "window", "slide") else "dense"  # unknown operators: the worst case

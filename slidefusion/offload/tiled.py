@@ -212,7 +212,7 @@ def _grad_global(site: Site, x: torch.Tensor, tiles, grad_out: torch.Tensor, sum
     then the summed key/value gradients back through each tile's projections."""
     with torch.no_grad():
         keys, values = (t.requires_grad_() for t in keys_of(site, x.detach(), tiles))
-    d_keys, d_values = (torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32)) for t in (keys, values))
+    d_keys, d_values = (torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device) for t in (keys, values))
     attend = _global_attend(site, keys, values)
     for a, b in tiles:
         slab = _slab(x, 1, a, b)

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import stat
+import weakref
 
 import torch
 
@@ -40,11 +41,11 @@ def remove_stale(folder: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if not NAME.fullmatch(name) or not stat.S_ISREG(os.lstat(path).st_mode):
-            continue
         try:
+            if not NAME.fullmatch(name) or not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
+        except OSError:  # gone meanwhile, or not ours to open
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: nobody holds it any more
@@ -104,6 +105,8 @@ class SpillFile:
             self.fd, self.path = _open(folder, anonymous, direct)
         except OSError as error:
             raise UserError(f"{KEY}={folder!r} is not writable ({error.strerror}); choose a writable folder on a local disk") from None
+        # a file nobody closed (an exception unwinding past the engine, a plain exit) still goes
+        self._remove = weakref.finalize(self, _remove, self.fd, self.path)
         self.direct = bool(fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT)
         (self._wmap, self._wstage), (self._rmap, self._rstage) = _staging(), _staging()
         self.reserved = 0
@@ -163,10 +166,18 @@ class SpillFile:
     def close(self) -> None:
         if self.fd < 0:
             return
-        if self.path is not None:
-            os.unlink(self.path)
-        os.close(self.fd)
+        self._remove()
         self.fd = -1
         self._wstage = self._rstage = None  # the maps close once no tensor views them
         self._wmap.close()
         self._rmap.close()
+
+
+def _remove(fd: int, path: str | None) -> None:
+    """Unlink a named spill file (while its lock is held, so no other start races for it) and close it."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    os.close(fd)

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from slidefusion.errors import UserError
 from slidefusion.offload.activations import (  # noqa: F401  (re-exported)
     ATTENTIONS,
     CHECKPOINTS,
@@ -72,6 +73,11 @@ def plan_training(model, work: Workload, gpu_memory: int, host_memory: int, pcie
     dtype = {2: torch.bfloat16, 4: torch.float32}[compute_bytes]
     choice = StateChoice(dtype, master, moments, prefetch=prefetch)
     space = (gpu_memory, host_memory, disk)
+    if tile is not None and not shape.tileable:
+        if tile != "auto":
+            raise UserError(f"--tile={tile}: the blocks of {shape.name} do not declare the halo of their attention "
+                            "(diffusers blocks take packed tokens), so they cannot be tiled; use --tile off or auto")
+        tile = None  # auto: whole blocks
     if tile == "auto":
         tile = _auto_tile(shape, work, choice, space)
     plan = _plan_with(shape, work, choice, space, tile)

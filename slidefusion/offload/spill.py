@@ -173,6 +173,11 @@ class SpillFile:
         self._rmap.close()
 
 
+def check_spill_dir(folder: str) -> None:
+    """A one-line UserError now, before any work, if `folder` cannot hold a spill file."""
+    SpillFile(folder).close()
+
+
 def _remove(fd: int, path: str | None) -> None:
     """Unlink a named spill file (while its lock is held, so no other start races for it) and close it."""
     if path is not None:

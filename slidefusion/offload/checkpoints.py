@@ -71,7 +71,7 @@ class SpilledCheckpoints:
             raise UserError(f"{KEY}={self.file.folder!r}: writing checkpoints failed ({self.failed}); "
                             "the step stopped before any update")
         big = [i for i, t in enumerate(tensors) if self._spillable(t)]
-        tensors = [self._to_host(t) if i in big else t for i, t in enumerate(tensors)]
+        tensors = [_to_host(t) if i in big else t for i, t in enumerate(tensors)]
         entry = Entry(len(self.entries), tensors, big)
         ctx.spill_entry = entry
         self.entries.append(entry)
@@ -93,7 +93,7 @@ class SpilledCheckpoints:
             self.memory -= entry.nbytes
         tensors, entry.tensors = entry.tensors, None
         self._prefetch(entry.index)
-        return [self._to_device(t, entry.meta[i][2]) if i in entry.meta else t for i, t in enumerate(tensors)]
+        return [_to_device(t, self.device, entry.meta[i][2]) if i in entry.meta else t for i, t in enumerate(tensors)]
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -126,14 +126,6 @@ class SpilledCheckpoints:
             return False
         known, self.seen[id(t)] = self.seen.get(id(t)), weakref.ref(t)
         return known is None or known() is not t
-
-    def _to_host(self, t):
-        return t.detach().to("cpu").requires_grad_(t.requires_grad) if torch.is_tensor(t) and t.device.type != "cpu" else t
-
-    def _to_device(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        if self.device.type != "cpu":
-            t = t.to(self.device)
-        return t.requires_grad_(requires_grad) if not t.requires_grad and requires_grad else t
 
     def _evict(self) -> None:
         """Send the oldest blocks in memory to disk until the budget holds."""
@@ -199,6 +191,16 @@ class SpilledCheckpoints:
             if entry.read is None:
                 self._load_async(entry)
             pending += 1
+
+
+def _to_host(t):
+    return t.detach().to("cpu").requires_grad_(t.requires_grad) if torch.is_tensor(t) and t.device.type != "cpu" else t
+
+
+def _to_device(t: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+    if device.type != "cpu":
+        t = t.to(device)
+    return t.requires_grad_(requires_grad) if not t.requires_grad and requires_grad else t
 
 
 def _drained(worker: Worker, name: str) -> Worker:

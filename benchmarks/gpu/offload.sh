@@ -11,6 +11,10 @@
 #                              moments, 4 resident blocks, no prefetch); the CPU AdamW kernels, 8 threads
 #   large_lean/offload.json    4.5 B params (12 blocks, hidden 4096, 16384 tokens) with bf16 master +
 #                              int8 moments: ~4 B/param of host state (18 GB instead of 63 GB)
+#   tiling/tiling.json         issue 12: dit3d-small with slide attention at 16, 32, 64, 128 latent
+#                              frames of 16x16 tokens, whole blocks vs tiled (8 frames) vs tiled +
+#                              every checkpoint spilled to $SPILL (default $OUT/spill); the device
+#                              peak is torch.cuda.max_memory_allocated; the disk's own bandwidth
 #   offload_bench.log          every table as text
 # The paper's figures to put beside them: 61% MFU with async prefetch, 28% without, 15% with the
 # optimizer on the GPU, 2.11x forward speed-up from async streaming at 28 B.
@@ -39,4 +43,12 @@ timeout 210 $PY benchmarks/offload.py --device cuda --dtype bfloat16 --hidden 20
 timeout 150 $PY benchmarks/offload.py --device cuda --dtype bfloat16 --hidden 4096 --depth 12 --heads 32 \
   --batch 1 --latent 16x64x64 --repeats 2 --steps-per-round 1 --peak-tflops 989 --skip optimizer residency \
   --runners "offloaded, bf16 master + int8" --out "$OUT/large_lean" 2>&1 | tee -a "$LOG"
+# 4. Tiled blocks and spilled checkpoints (issue 12): exactness on the device, then the device peak
+#    against clip length (~2 min).
+timeout 120 $PY -m pytest -q tests/offload/test_offload_cuda.py -k tiles 2>&1 | tee -a "$OUT/offload_cuda_tests.log"
+SPILL=${SPILL:-$OUT/spill}
+mkdir -p "$SPILL"
+timeout 240 $PY benchmarks/tiling.py --device cuda --frames 16 32 64 128 --size 64 --tile 8 --steps 1 --rounds 1 \
+  --spill-dir "$SPILL" --disk-mb 2048 --out "$OUT/tiling" 2>&1 | tee -a "$LOG"
+rmdir "$SPILL" 2>/dev/null
 echo "done: $OUT"

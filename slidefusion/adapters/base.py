@@ -52,7 +52,7 @@ class ModelAdapter:
         "BTCHW" (CogVideoX, frames first) or "packed" (LTX: (B, N, C) tokens with num_frames/height/
         width keywords); check_latents: extra shape rules (Latte's video_length);
     options: per-instance settings, with defaults, that the pipeline config may set (Wan 2.2's
-        `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance).
+        `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance);
     schedule: how the family's pipeline sets its scheduler's timesteps (`slidefusion.pretrained.sampling`):
         "default" (`set_timesteps(steps)`), "linspace" (sigmas 1 .. 1/steps, HunyuanVideo),
         "shifted-linspace" (the same from 1 to 1/steps with mu from the token count, LTX),
@@ -60,7 +60,10 @@ class ModelAdapter:
     guidance: "cfg" (a conditional and an unconditional prediction) or "embedded" (the scale is an
         input of a guidance-distilled model, HunyuanVideo);
     lora_targets: the modules LoRA adapts by default (peft `target_modules`: name suffixes);
-    fps: the frame rate the family's examples write videos at (`export_to_video(..., fps=)`).
+    fps: the frame rate the family's examples write videos at (`export_to_video(..., fps=)`);
+    grid_blocks: each block takes the token grid (B, T, H, W, C) as its first argument, returns
+        one like it, and outside its self-attention works per token or per sample, so a block can
+        run on a slab of the grid (what `offload.tiled` relies on; foreign blocks: False).
     """
 
     family: str
@@ -82,6 +85,7 @@ class ModelAdapter:
     guidance: str = "cfg"
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     fps: int = 16
+    grid_blocks: bool = False
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""

@@ -17,7 +17,7 @@ _PATCH = ("patch_size.0", "patch_size.1", "patch_size.2")
 DIT3D = ModelAdapter(
     family="dit3d", class_name="DiT3D",
     block_lists=(BlockList("blocks", "full", "attn"),),
-    call=_call_ours, patch=_PATCH, objective=_FLOW, text=None,
+    call=_call_ours, patch=_PATCH, objective=_FLOW, text=None, grid_blocks=True,
 )
 
 # Spatial and temporal blocks alternate in one list; each block carries its own `kind`. The
@@ -25,7 +25,7 @@ DIT3D = ModelAdapter(
 STDIT = ModelAdapter(
     family="stdit", class_name="STDiT",
     block_lists=(BlockList("blocks", None, "attn.inner"),),
-    call=_call_ours, patch=_PATCH, objective=_FLOW, text=None,
+    call=_call_ours, patch=_PATCH, objective=_FLOW, text=None, grid_blocks=True,
 )
 
 OUR_ADAPTERS = (DIT3D, STDIT)

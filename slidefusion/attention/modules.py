@@ -20,6 +20,7 @@ from slidefusion.attention.functional import (
     window_attention,
 )
 from slidefusion.attention.registry import register_attention
+from slidefusion.attention.tiling import TileRule, neighborhood_halo, slide_halo, window_rule
 from slidefusion.errors import UserError, check
 
 
@@ -54,7 +55,31 @@ class GridAttention(nn.Module):
 
 
 class DenseAttention3d(GridAttention):
-    """Every token attends to every token (the quadratic baseline)."""
+    """Every token attends to every token (the quadratic baseline).
+
+    Tiling (see `attention.tiling`): no crop of the grid is exact, so a tile's queries run against
+    keys and values of the whole grid: `tile_keys` on every tile, then `tile_attend` per tile.
+    """
+
+    def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
+        return TileRule(axis=1, halo=None)
+
+    def tile_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens x (B, t, H, W, C) -> their keys and values, each (B, t, H, W, heads, D)."""
+        C = self.dim
+        bias = None if self.qkv.bias is None else self.qkv.bias[C:]
+        kv = F.linear(x, self.qkv.weight[C:], bias).reshape(*x.shape[:4], 2, self.heads, C // self.heads)
+        return kv[..., 0, :, :], kv[..., 1, :, :]
+
+    def tile_attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Query tokens x (B, t, H, W, C) against keys and values (B, T, H, W, heads, D) of the
+        whole grid -> (B, t, H, W, C): this module's forward, restricted to the queries x."""
+        B, t, H, W, C = x.shape
+        bias = None if self.qkv.bias is None else self.qkv.bias[:C]
+        q = F.linear(x, self.qkv.weight[:C], bias).reshape(B, t * H * W, self.heads, C // self.heads)
+        keys, values = (z.reshape(B, -1, self.heads, C // self.heads).transpose(1, 2) for z in (k, v))  # (B, heads, N, D)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values)  # (B, heads, t*H*W, D)
+        return self.proj(out.transpose(1, 2).reshape(B, t, H, W, C))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return dense_attention(q, k, v)
@@ -62,6 +87,9 @@ class DenseAttention3d(GridAttention):
 
 class WindowAttention3d(GridAttention):
     """Swin-style (shifted) window attention; see `functional.window_attention` for the semantics."""
+
+    def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
+        return window_rule(self.window_size[0], self.shift[0] > 0)
 
     def __init__(
         self,
@@ -109,6 +137,9 @@ def build_window(dim: int, heads: int, *, block_index: int = 0, **options) -> Wi
 class NeighborhoodAttention3d(GridAttention):
     """Each token attends to its kt x kh x kw neighbourhood (NATTEN's na3d border rule)."""
 
+    def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
+        return TileRule(axis=1, halo=neighborhood_halo(self.kernel_size[0]))
+
     def __init__(self, dim: int, heads: int, kernel_size: Sequence[int] = (3, 7, 7), qkv_bias: bool = True):
         super().__init__(dim, heads, qkv_bias)
         self.kernel_size = check_kernel_size(kernel_size)
@@ -133,6 +164,10 @@ class SlideAttention3d(GridAttention):
     offsets are bounded to +-max_offset tokens by a tanh; below 1 the kernels' halo grows by only
     one token per side.
     """
+
+    def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
+        radius = self.offset_conv.kernel_size[0] // 2  # the offset network's reach along time
+        return TileRule(axis=1, halo=slide_halo(self.kernel_size[0], self.max_offset, radius))
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from slidefusion.attention import DenseAttention3d, build_attention
+from slidefusion.attention.tiling import TileRule
 from slidefusion.errors import UserError
 from slidefusion.models.config import ModelConfig
 from slidefusion.models.layers import DiTBlock, FinalLayer, TextProjection, TimestepEmbedder, sincos_3d, unpatchify
@@ -83,6 +84,10 @@ class FrameAttention(nn.Module):
         super().__init__()
         self.inner = inner
 
+    def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
+        """Frames are independent: a tile of frames needs no context (`attention.tiling`)."""
+        return TileRule(axis=1, halo=0)
+
     def forward(self, x: Tensor) -> Tensor:
         b, t, h, w, c = x.shape
         return self.inner(x.reshape(b * t, 1, h, w, c)).view(b, t, h, w, c)
@@ -94,6 +99,11 @@ class TimeAttention(nn.Module):
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
+
+    def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
+        """Positions are independent: tiles cut rows, each with all its frames, and need no context
+        (cutting frames instead would need every frame's keys at every position)."""
+        return TileRule(axis=2, halo=0)
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, h, w, c = x.shape

@@ -28,12 +28,30 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32", help="AdamW moments on the host (offload.moments)")
     plan.add_argument("--resident-blocks", type=types.arg_type("resident-blocks", _resident), default="0", metavar="N|auto",
                       help="blocks kept on the device (offload.resident_blocks)")
+    _add_activation_flags(plan)
     plan.add_argument("--batch", type=types.positive_int, default=1)
     plan.add_argument("--prefetch", type=types.natural_int, default=1, help="blocks uploading ahead (default 1)")
     plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
                       help="autoencoder stride t,h,w (default 4,8,8)")
     plan.set_defaults(func=cmd_plan)
     return plan
+
+
+def _add_activation_flags(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--tile", type=types.arg_type("tile", _tile), default="auto", metavar="N|auto|off",
+                      help="frames of the token grid per tile inside a block (offload.tile; default auto: "
+                           "whole blocks if they fit, else the largest tile that does)")
+    plan.add_argument("--disk", type=types.byte_size, help="free disk for spilled checkpoints (offload.spill_dir); default: none")
+    plan.add_argument("--disk-bandwidth", type=types.bandwidth, default="3GB/s",
+                      help="read/write bandwidth of that disk (default 3GB/s, one NVMe drive)")
+
+
+def _tile(text: str) -> int | str | None:
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"--tile={text!r} must be a number of frames >= 1, auto or off")
+    return int(text)
 
 
 def _resident(text: str) -> int | str:
@@ -45,17 +63,21 @@ def _resident(text: str) -> int | str:
 
 
 def cmd_plan(args) -> None:
-    from slidefusion.offload.planner import Workload, largest_frames, model_shape, plan_training, report, tokens_for
+    from slidefusion.offload.planner import Workload, grid_for, human, largest_frames, model_shape, plan_training, report
 
     shape, stride = model_shape(args.model), args.vae_stride
     sizes = {"gpu_memory": args.gpu_memory, "host_memory": args.host_memory, "pcie_bytes_s": args.pcie,
              "tflops": args.tflops, "prefetch": args.prefetch, "master": args.master, "moments": args.moments,
-             "resident_blocks": args.resident_blocks, "host_bytes_s": args.host_bandwidth}
+             "resident_blocks": args.resident_blocks, "host_bytes_s": args.host_bandwidth, "tile": args.tile,
+             "disk": args.disk, "disk_bytes_s": args.disk_bandwidth}
     attention = args.attention or shape.attention
-    work = Workload(args.batch, tokens_for(args.frames, args.height, args.width, shape.patch, stride), attention)
+    grid = grid_for(args.frames, args.height, args.width, shape.patch, stride)
+    work = Workload(args.batch, grid[0] * grid[1] * grid[2], attention, frames=grid[0])
     plan = plan_training(shape, work, **sizes)
-    print(report(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height}, {attention} attention, "
-                       f"batch {args.batch}; master {args.master}, moments {args.moments}"))
+    print(report(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height} ({grid[0]}x{grid[1]}x{grid[2]} "
+                       f"tokens), {attention} attention, batch {args.batch}; master {args.master}, moments {args.moments}"))
+    print(f"  at 100% of {args.tflops:g} TFLOP/s the step's {plan.flops:.3g} FLOP take {plan.flops / (args.tflops * 1e12):.3g} s; "
+          f"a step in 1 s would need {plan.flops / 1e15:.3g} PFLOP/s")
     if args.tflops == DEFAULT_TFLOPS and args.pcie == types.bandwidth(DEFAULT_PCIE):
         print(f"  assumption: {DEFAULT_TFLOPS:g} TFLOP/s and {DEFAULT_PCIE} PCIe are an H200's; pass --tflops and --pcie "
               "for your GPU (an RTX 4090: about 165 dense bf16 TFLOP/s, 25 GB/s)")
@@ -63,6 +85,10 @@ def cmd_plan(args) -> None:
         lean = plan_training(shape, work, **{**sizes, "master": "bf16", "moments": "int8"})
         if lean.fits and (args.master, args.moments) != ("bf16", "int8"):
             print("  with --master bf16 --moments int8 it fits (host state ~4 B/param)")
+        spilled = plan_training(shape, work, **{**sizes, "disk": 10**18})
+        if args.disk is None and spilled.fits:
+            print(f"  with checkpoints spilled to a disk (--disk, offload.spill_dir) of {human(sum(spilled.disk.values()))} "
+                  "or more it fits")
         frames = largest_frames(shape, work, args.frames, args.height, args.width, stride, sizes)
         print(f"  largest clip that fits at {args.width}x{args.height}: "
               + (f"{frames} frames" if frames else "none (even one latent frame does not fit)"))

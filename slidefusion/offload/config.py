@@ -26,6 +26,9 @@ class OffloadConfig:
     rounding: str = "stochastic"  # bf16 master: stochastic | kahan (+2 B/param of compensation)
     resident_blocks: int | str = 0  # N blocks kept on the device, or "auto": as many as fit
     pin_budget: str | None = None  # most page-locked host memory, e.g. 64GB (null: no limit)
+    tile: int | str | bool = "off"  # frames of the token grid per tile inside a block: N, auto or off
+    spill_dir: str | None = None  # a folder on a local disk for the checkpoints past spill_after
+    spill_after: int | str = 0  # checkpoint bytes kept in host memory before spilling, e.g. 64GB (0: spill all)
 
     def __post_init__(self):
         check(self.compute_dtype in DTYPES, f"offload.compute_dtype={self.compute_dtype!r} is unknown; valid: {', '.join(DTYPES)}")
@@ -35,6 +38,22 @@ class OffloadConfig:
         check(self.resident_blocks == "auto" or (isinstance(self.resident_blocks, int) and self.resident_blocks >= 0),
               f"offload.resident_blocks={self.resident_blocks!r} must be an int >= 0 or auto")
         self.pin_budget_bytes  # noqa: B018 - validates the size
+        if self.tile is False:  # YAML reads a bare `off` as false
+            self.tile = "off"
+        check(self.tile in ("auto", "off") or (isinstance(self.tile, int) and not isinstance(self.tile, bool) and self.tile >= 1),
+              f"offload.tile={self.tile!r} must be auto, off or a number of frames >= 1")
+        check(self.spill_dir is None or bool(str(self.spill_dir).strip()), f"offload.spill_dir={self.spill_dir!r} must name a folder")
+        check(self.spill_dir is not None or self.spill_after in (0, "0"), "offload.spill_after needs offload.spill_dir")
+        check((self.tile == "off" and self.spill_dir is None) or self.checkpoint,
+              "offload.tile and offload.spill_dir need offload.checkpoint=true (they work on recomputed blocks)")
+        self.spill_after_bytes  # noqa: B018 - validates the size
+
+    @property
+    def spill_after_bytes(self) -> int:
+        if isinstance(self.spill_after, int) and not isinstance(self.spill_after, bool):
+            check(self.spill_after >= 0, f"offload.spill_after={self.spill_after} must be >= 0 bytes")
+            return self.spill_after
+        return 0 if str(self.spill_after).strip() == "0" else parse_bytes(self.spill_after, "offload.spill_after")
 
     @property
     def pin_budget_bytes(self) -> int | None:

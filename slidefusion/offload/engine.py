@@ -6,6 +6,8 @@ The pieces, each in its own file, built here in order:
   update strategy  when AdamW runs on the host: immediately per block, or deferred for clipping
   GradientShipper  weight gradients from the device to the strategy's host staging
   hooks            each block's forward routed through a checkpointing autograd function
+  runner           how one block computes: whole, or tile by tile (`tiled`, policy.tile)
+  checkpoints      where block inputs wait for backward: kept, or host memory + disk (policy.spill_dir)
 Whether a configuration fits is the caller's question, answered by the planner
 (`planner.engine_plan` + `require_fit`) before the engine is built.
 """
@@ -20,7 +22,8 @@ from torch.utils._pytree import tree_unflatten
 
 from slidefusion.errors import UserError, check
 from slidefusion.offload.device import DeviceWeights, GradientShipper
-from slidefusion.offload.hooks import KeptCheckpoints, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks, run_block
+from slidefusion.offload.checkpoints import make_checkpoints
+from slidefusion.offload.hooks import block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
 from slidefusion.offload.host_state import HostState
 from slidefusion.offload.layout import REST
 from slidefusion.offload.loading import load_named_tensors, move_buffers
@@ -29,6 +32,7 @@ from slidefusion.offload.pinning import HostAllocator
 from slidefusion.offload.policy import OffloadPolicy
 from slidefusion.offload.stats import EngineStats
 from slidefusion.offload.strategies import make_strategy
+from slidefusion.offload.tile_runner import make_runner
 from slidefusion.offload.transfer import Worker, make_copier
 
 
@@ -53,8 +57,8 @@ class OffloadEngine:
         self.strategy = make_strategy(policy, self.state, self.allocator.empty, self.worker, self._update)
         self.weights = DeviceWeights(self.state, policy, self.h2d, lambda key: self.strategy.updated[key])
         self.grads = GradientShipper(self.state, policy, self.d2h, self.strategy)
-        self.run_block: Callable = run_block  # one block's computation: a tiler wraps this
-        self.checkpoints = KeptCheckpoints()  # where block inputs wait for backward
+        self.runner = make_runner(policy, model, self.blocks)  # one block's computation: whole or tiled
+        self.checkpoints = make_checkpoints(policy, self.device)  # where block inputs wait for backward
         self.step, self.lr, self.in_block, self.out_spec = 0, policy.optim.lr, False, None
         self._pos, self._called, self._exposed_opt = 0, [], 0.0
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)  # every block output needs grad
@@ -74,22 +78,16 @@ class OffloadEngine:
         The update of the last blocks may still be running when this returns; the next step, and
         `model_state_dict`/`state_dict`, wait for exactly the parts they need."""
         start = time.perf_counter()
+        self.checkpoints.begin_step()  # a disk that cannot hold the step fails here, before any work
         _refresh_written_weights(self)
         self._wait_update(REST)
         self.weights.begin_pass(forward=True)
         self._pos, self._called = 0, []
         try:
-            enabled = self.policy.compute_dtype != torch.float32
-            with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=enabled):
-                loss = loss_fn(self.model)
-            if self._called != list(range(len(self.blocks))):
-                raise UserError(f"loss_fn ran blocks {self._called}; the engine needs every block once, in order")
-            if self.policy.checkpoint:
-                self.weights.begin_pass(forward=False)
-            loss.backward()
-            value = loss.item()
+            value = self._forward_backward(loss_fn)
             self.grads.ship(self.state.rest, [p.grad for p in self.state.rest.trainable], self.step + 1, self.lr)
         finally:
+            self.checkpoints.end_step()
             self.state.rest.bind_host()
             for p in self.state.rest.params:
                 p.grad = None
@@ -97,6 +95,18 @@ class OffloadEngine:
         self.step += 1
         _record(self, time.perf_counter() - start)
         return value
+
+    def _forward_backward(self, loss_fn) -> float:
+        enabled = self.policy.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=enabled):
+            loss = loss_fn(self.model)
+        if self._called != list(range(len(self.blocks))):
+            raise UserError(f"loss_fn ran blocks {self._called}; the engine needs every block once, in order")
+        if self.policy.checkpoint:
+            self.weights.begin_pass(forward=False)
+        self.checkpoints.begin_backward()
+        loss.backward()
+        return loss.item()
 
     def _wait_update(self, key: int) -> None:
         """Host wait for the last update of group `key`: the optimizer time compute cannot hide."""
@@ -106,12 +116,14 @@ class OffloadEngine:
 
     # -- one block, called from the hooks ---------------------------------------------------------
 
-    def call_block(self, index: int, weights: list[torch.Tensor], args, kwargs):
-        """`run_block` on block `index` with `weights` (one tensor per parameter, layout order)."""
-        params = dict(zip(self.state.blocks[index].local_names, weights))
+    def call_block(self, index: int, params: dict, args, kwargs, grad_outputs=None, leaves=None):
+        """The runner on block `index` with `params` (local name -> tensor): its forward, or with
+        `grad_outputs` its gradients (of the inputs, and of `leaves`)."""
         self.in_block = True
         try:
-            return self.run_block(self.blocks[index], params, args, kwargs)
+            if grad_outputs is None:
+                return self.runner.forward(self.blocks[index], params, args, kwargs)
+            return self.runner.grads(self.blocks[index], params, args, kwargs, grad_outputs, leaves)
         finally:
             self.in_block = False
 
@@ -126,7 +138,7 @@ class OffloadEngine:
         if self.policy.checkpoint:
             args, kwargs = tree_unflatten(tensors, spec)
             with torch.no_grad():
-                out = self.call_block(index, group.layout.views(weights), args, kwargs)
+                out = self.call_block(index, dict(zip(group.local_names, group.layout.views(weights))), args, kwargs)
             self.weights.release(index)
             return out, None
         kept = weights[:group.numel]
@@ -139,9 +151,9 @@ class OffloadEngine:
         host and return the input gradients."""
         group = self.state.blocks[index]
         if graph is None:
-            weights = self.weights.acquire(index)
-            graph = forward_with_graph(self, index, weights[:group.numel], tensors, spec)[1]
-            input_grads, weight_grads = input_and_weight_grads(graph, grad_outputs)
+            params, leaves, inputs = block_leaves(self, index, self.weights.acquire(index)[:group.numel], tensors)
+            args, kwargs = tree_unflatten(inputs, spec)
+            input_grads, weight_grads = self.call_block(index, params, args, kwargs, grad_outputs, leaves)
             self.weights.release(index)
         else:
             input_grads, weight_grads = input_and_weight_grads(graph, grad_outputs)
@@ -198,6 +210,7 @@ class OffloadEngine:
         """Finish pending updates, stop the threads and give back a plain host model."""
         self.synchronize()
         remove_hooks(self)
+        self.checkpoints.close()
         for target in (self.h2d, self.d2h, self.worker):
             target.close()
 

@@ -5,20 +5,34 @@ Each block's `forward` is replaced, on the instance, by `BlockHook`, which route
 block without a graph on streamed weights; its backward re-acquires the weights (in reverse order),
 recomputes the block with a graph, ships the weight gradients and returns the input gradients.
 
-Two seams for tiling and spilling (issue 12):
-  `run_block(block, params, args, kwargs)` is the whole computation of one block on given weights;
-      the engine calls `engine.run_block`, which a tiler may wrap.
-  `KeptCheckpoints` is where a block's inputs wait for its backward; a store with the same two
-      methods can move them elsewhere (host memory, disk).
+Two seams (issue 12 fills both):
+  a block runner, `engine.runner`: `forward(block, params, args, kwargs)` is the whole computation
+      of one block on given weights, `grads(...)` its recompute and backward. `WholeBlock` runs
+      the block in one piece; `tiled.TiledBlock` runs it tile by tile.
+  a checkpoint store, `engine.checkpoints`: where a block's inputs wait for its backward.
+      `KeptCheckpoints` keeps them where they are; `checkpoints.SpilledCheckpoints` moves them to
+      host memory and a spill file. Both also hear when a step begins, turns to backward, and ends.
 """
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-def run_block(block: torch.nn.Module, params: dict[str, torch.Tensor], args, kwargs):
-    """The block's own forward with `params` (local name -> tensor) in place of its parameters."""
-    return torch.func.functional_call(block, params, args, kwargs)
+class WholeBlock:
+    """Runs a block in one piece: its own forward; gradients by recomputing it with a graph.
+
+    `params` maps the block's local parameter names to tensors used in their place (None: the
+    block's own); `weights` are the tensors among them to differentiate (leaves)."""
+
+    def forward(self, block: torch.nn.Module, params, args, kwargs):
+        return block(*args, **kwargs) if params is None else torch.func.functional_call(block, params, args, kwargs)
+
+    def grads(self, block, params, args, kwargs, grad_outputs, weights: list) -> tuple[list, list]:
+        """(gradients of the flat inputs `tree_flatten((args, kwargs))` that require grad, None
+        elsewhere; gradients of `weights`)."""
+        with torch.enable_grad():
+            out = self.forward(block, params, args, kwargs)
+        return input_and_weight_grads((weights, tree_flatten((args, kwargs))[0], out), grad_outputs)
 
 
 class KeptCheckpoints:
@@ -31,19 +45,38 @@ class KeptCheckpoints:
     def take(self, ctx) -> list:
         return [s if o is None else o for s, o in zip(ctx.saved_tensors, ctx.others)]
 
+    def begin_step(self) -> None:
+        """A step starts (a store with a disk reserves it here, before any work)."""
 
-def forward_with_graph(engine, index: int, weights: torch.Tensor, tensors: list, spec):
-    """Run block `index` on the flat `weights` with a graph: (outputs, (leaves, inputs, outputs)).
+    def begin_backward(self) -> None:
+        """The forward pass is over (a store with a disk starts reading ahead)."""
+
+    def end_step(self) -> None:
+        """The step is over, or failed (a store drops what it still holds)."""
+
+    def close(self) -> None:
+        """The engine closes."""
+
+
+def block_leaves(engine, index: int, weights: torch.Tensor, tensors: list) -> tuple[dict, list, list]:
+    """(params: local name -> tensor, the trainable leaves among them, inputs: `tensors` as fresh
+    leaves where they require grad) for a graph of block `index` on the flat `weights`.
 
     One leaf per trainable parameter: a single flat leaf would make autograd build a zero-filled
     flat-sized gradient for every view of it, then add them all up. Frozen parameters are plain views."""
     group = engine.state.blocks[index]
     views = group.layout.views(weights)
+    leaves = [view.detach().requires_grad_() for view in views[:len(group.trainable)]]
+    inputs = [t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in tensors]
+    return dict(zip(group.local_names, leaves + views[len(group.trainable):])), leaves, inputs
+
+
+def forward_with_graph(engine, index: int, weights: torch.Tensor, tensors: list, spec):
+    """Run block `index` on the flat `weights` with a graph: (outputs, (leaves, inputs, outputs))."""
+    params, leaves, inputs = block_leaves(engine, index, weights, tensors)
     with torch.enable_grad():
-        leaves = [view.detach().requires_grad_() for view in views[:len(group.trainable)]]
-        inputs = [t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in tensors]
         args, kwargs = tree_unflatten(inputs, spec)
-        out = engine.call_block(index, leaves + views[len(group.trainable):], args, kwargs)
+        out = engine.call_block(index, params, args, kwargs)
     return out, (leaves, inputs, out)
 
 

@@ -36,10 +36,16 @@ class Plan:
 
     host: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)
+    disk: dict[str, int] = field(default_factory=dict)  # spilled checkpoints
     host_capacity: int | None = None
     device_capacity: int | None = None
+    disk_capacity: int | None = None
     pcie_bytes: int = 0
+    disk_traffic: int = 0  # bytes written and read per step
+    tile: int | None = None  # frames per tile inside a block (None: whole blocks)
+    tile_device_bytes: int = 0  # device bytes that scale with one tile
     step_s: float | None = None
+    flops: float = 0.0
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -58,7 +64,8 @@ class Plan:
     def check_capacity(self) -> None:
         """Fill `problems` from the totals and capacities."""
         for place, used, capacity, parts in (("device", self.device_bytes, self.device_capacity, self.device),
-                                             ("host", self.host_bytes, self.host_capacity, self.host)):
+                                             ("host", self.host_bytes, self.host_capacity, self.host),
+                                             ("disk", sum(self.disk.values()), self.disk_capacity, self.disk)):
             if capacity is not None and used > capacity:
                 largest = sorted(parts, key=parts.get, reverse=True)[:2]
                 self.problems.append(f"{place} needs {human(used)} but has {human(capacity)} (largest parts: "

@@ -45,6 +45,10 @@ class OffloadPolicy:
     seed: int = 0  # of the stochastic rounding streams (a function of seed, step, group, element)
     zero_copy: bool | None = None  # compute from the host buffers in place (None: on a CPU device, which
     # has no other memory; False there simulates a device with copy threads, as the race tests do)
+    tile: int | None = None  # frames of the token grid per tile inside a block (None: whole blocks); see tiled
+    spill_dir: str | None = None  # a folder on a local disk for checkpoints past spill_after (None: keep them)
+    spill_after: int = 0  # checkpoint bytes kept in host memory before the rest goes to spill_dir
+    spill_reserve: int = 0  # disk bytes reserved before the first step (later steps: what the last one spilled)
 
     def __post_init__(self):
         names = ", ".join(f"torch.{name}" for name in COMPUTE_DTYPES)
@@ -60,6 +64,15 @@ class OffloadPolicy:
               f"optimizer_threads={self.optimizer_threads} must be >= 1")
         check(self.pin_budget is None or self.pin_budget >= 0, f"pin_budget={self.pin_budget} must be >= 0 bytes or None")
         check(self.pin_chunk >= 4096, f"pin_chunk={self.pin_chunk} must be >= 4096 bytes")
+        check(self.tile is None or (isinstance(self.tile, int) and not isinstance(self.tile, bool) and self.tile >= 1),
+              f"tile={self.tile!r} must be a number of frames >= 1 or None (resolve 'auto' with the planner)")
+        check(self.spill_dir is None or (isinstance(self.spill_dir, str) and self.spill_dir != ""),
+              f"spill_dir={self.spill_dir!r} must be a folder or None")
+        for name in ("spill_after", "spill_reserve"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 0, f"{name}={value!r} must be an int >= 0 (bytes)")
+        for name, value in (("tile", self.tile), ("spill_dir", self.spill_dir)):
+            check(value is None or self.checkpoint, f"{name}={value!r} needs checkpoint=True (it works on recomputed blocks)")
         device = self.torch_device  # validates the device
         check(not (self.zero_copy and device.type != "cpu"), f"zero_copy=True needs device='cpu', not {self.device!r}")
 

@@ -25,6 +25,7 @@ class ModelShape:
     patch: tuple[int, int, int]
     attention: str  # the model's own self-attention: dense | window | slide | flash
     text_tokens: int = 0  # cross-attention keys per sample (0: not counted)
+    tileable: bool = True  # blocks run on a slab of the grid with a declared halo (`offload.tile`)
 
     @property
     def params(self) -> int:
@@ -65,7 +66,7 @@ def wan_shape(cfg: dict, name: str) -> ModelShape:
     block, rest = wan_params(cfg)
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     return ModelShape(name, (block,) * cfg["num_layers"], rest, d, cfg["num_attention_heads"], cfg["ffn_dim"] / d,
-                      tuple(cfg["patch_size"]), "flash", WAN_TEXT_TOKENS)
+                      tuple(cfg["patch_size"]), "flash", WAN_TEXT_TOKENS, tileable=False)
 
 
 def shape_of_config(config, name: str = "") -> ModelShape:

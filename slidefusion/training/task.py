@@ -9,7 +9,6 @@ loss as a function of the model (`loss_fn`), and says which weights a checkpoint
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -98,7 +97,7 @@ class OwnModelTask:
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, "cpu" if offload else device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        self.optimizer = (offload_optimizer(self.model, config, math.prod(grid)) if offload
+        self.optimizer = (offload_optimizer(self.model, config, grid) if offload
                           else ResidentOptimizer(self.model, config.optim))
 
     def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:

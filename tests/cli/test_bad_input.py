@@ -74,6 +74,7 @@ FLAGS = [  # (command, flag, kind of its values)
     ("evaluate", "--device", "device"), ("evaluate", "--json", "json_out"),
     ("train", "--device", "device"),
     ("generate", "--pretrained", "folder_in"), ("export", "--max-shard-size", "size"),
+    ("plan", "--disk", "size"), ("plan", "--disk-bandwidth", "bandwidth"),
 ]
 
 # Config keys and wrong values for them (`train BASE key=value`); the error names the key.
@@ -101,6 +102,8 @@ KEYS = [
     ("model.attention_options", ["'{{window: .nan}}'", "[1]"]),
     ("model", ["dit3d-tiny", "[1, 2]", "5"]), ("model.preset", ["[1]"]),
     ("offload.compute_dtype", ["fp8"]), ("offload.prefetch", ["-1"]),
+    ("offload.tile", ["0", "-1", "1.5", "abc", "[2]"]), ("offload.spill_after", ["-1", "lots", "64GB"]),
+    ("offload.spill_dir", ["''", "[1]"]),
     ("lora.rank", ["0", "-1", "abc", "1.5", "true", "4"]), ("lora.alpha", ["0", "-1", ".nan"]),
     ("lora.target_modules", ["[]", "5", "['']"]), ("data.cache_dir", ["[1]"]),
 ]
@@ -231,6 +234,15 @@ CASES = [
     ("experiment attention-ablation --budget bogus", "--budget"), ("experiment attention-ablation --variants bogus", "--variants"),
     ("experiment attention-ablation --out {file}", "--out"), ("experiment attention-ablation --out /proc/nope", "--out"),
     ("experiment bogus", "invalid choice"),
+    # tiled blocks and spilled checkpoints (issue 12)
+    ("{plan} --tile 0", "--tile"), ("{plan} --tile -2", "--tile"), ("{plan} --tile few", "--tile"),
+    ("plan --model wan2.1-1.3b --frames 81 --height 480 --width 832 --tile 4", "--tile=4: the blocks of wan2.1-1.3b"),
+    ("train {tiny} --offload offload.spill_dir={cwd}/nowhere run.output_dir={cwd}/r {small}", "offload.spill_dir="),
+    ("train {tiny} --offload offload.spill_dir={file} run.output_dir={cwd}/r {small}", "is not an existing folder"),
+    ("train {tiny} --offload offload.spill_dir=/sys run.output_dir={cwd}/r {small}", "is not writable"),
+    ("train {tiny} offload.tile=2 offload.checkpoint=false run.output_dir={cwd}/r {small}", "offload.checkpoint=true"),
+    ("{ft} --offload offload.tile=2", "offload.tile=2: WanTransformer3DModel's blocks are not declared tileable"),
+    ("{ft} --offload offload.spill_dir={cwd}/nowhere", "offload.spill_dir="),
 ]
 
 

@@ -26,6 +26,8 @@ from slidefusion import memory
 from slidefusion.data import build_dataset
 from slidefusion.errors import UserError, check
 from slidefusion.offload.shapes import ModelShape
+from slidefusion.offload.spill import check_spill_dir
+from slidefusion.offload.tile_runner import check_tileable
 from slidefusion.offload.training import offload_optimizer
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
@@ -44,7 +46,8 @@ def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
     hidden = heads * int(cfg.attention_head_dim)
     ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
     rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention)
+    return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
+                      tileable=adapter.grid_blocks)
 
 
 def dataset_caption(dataset, index: int) -> str:
@@ -84,12 +87,16 @@ class FolderTask:
             self.latent = latent_shape(adapter, meta, vae_config, data.frames, data.height, data.width)[1:]
         except UserError as error:
             raise UserError(f"data.frames/height/width: {error}") from None
-        self.tokens = adapter.tokens(meta, (1, *self.latent))
+        self.grid = adapter.token_grid(meta, (1, *self.latent))
         if config.lora.enabled:
             lora_lib.add_lora(meta, config.lora, adapter.lora_targets)
         expert = next(e for e in folder.experts() if e.name == cfg.expert)
         ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
         self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
+        if config.offload.enabled and isinstance(config.offload.tile, int):  # before any cache is written
+            check_tileable(meta, adapter.blocks(meta), config.offload.tile)
+        if config.offload.enabled and config.offload.spill_dir is not None:
+            check_spill_dir(config.offload.spill_dir)
         if not config.offload.enabled:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
@@ -143,7 +150,7 @@ class FolderTask:
 
         model = self.model
         attention = "flash" if self.device.type == "cuda" else "dense"
-        engine = offload_optimizer(model, self.config, self.tokens, model_shape(model, self.adapter, attention))
+        engine = offload_optimizer(model, self.config, self.grid, model_shape(model, self.adapter, attention))
         names = lora_lib.folder_names(model)
         skipped = []
 

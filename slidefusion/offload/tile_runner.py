@@ -1,0 +1,181 @@
+"""`TiledBlock`, the block runner that tiles (the algorithm is in `tiled`), and the same on a
+resident model: `tile_blocks(model, frames)` makes each block run tiled in forward and recompute
+tile by tile in backward (a checkpoint per block), with no engine.
+
+Tile size: `frames` frames of the token grid per tile (rows for attention along time: the same
+number of tokens). A tile size of at least the clip's frames is clamped to the clip: the blocks then
+run whole, with one note (a config's tile size is fixed while clips vary in length, so this is not
+an error). A tile size below 1 is refused where it is configured (`OffloadPolicy`, `OffloadConfig`).
+Tiling needs to know the halo of each block's self-attention: a model whose adapter does not declare
+grid blocks, or a block without an attention module that declares `tile_rule`, is refused with one
+line before any step.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from slidefusion.errors import UserError, check
+from slidefusion.offload.hooks import WholeBlock
+from slidefusion.offload.tiled import Site, Sums, forward_tiles, grad_tiles, stand_in, tiles_for
+
+
+def tiled_attention(block: nn.Module) -> nn.Module | None:
+    """The block's self-attention that declares a tiling rule: the outermost module with
+    `tile_rule` (STDiT: the frame/time view, not the operator inside it); None if there is none."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in block.named_modules():
+        if name and callable(getattr(module, "tile_rule", None)) and not any(name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, module))
+    check(len(found) <= 1, f"{type(block).__name__} has {len(found)} attention modules with a tiling rule "
+                           f"({', '.join(n for n, _ in found)}); tiling needs exactly one")
+    return found[0][1] if found else None
+
+
+def check_tileable(model: nn.Module, blocks, frames: int, key: str = "offload.tile") -> None:
+    """A one-line UserError unless every block of `model` can be tiled."""
+    from slidefusion.adapters import adapter_for
+
+    check(isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1,
+          f"{key}={frames!r} must be a number of frames >= 1 (or auto, off)")
+    if not adapter_for(model).grid_blocks:
+        raise UserError(f"{key}={frames}: {type(model).__name__}'s blocks are not declared tileable "
+                        f"(the halo of their attention is unknown); use {key}=off")
+    for index, block in enumerate(blocks):
+        if tiled_attention(block) is None:
+            raise UserError(f"{key}={frames}: block {index} ({type(block).__name__}) has no self-attention that "
+                            f"declares its halo (a tile_rule); use {key}=off")
+
+
+class TiledBlock(WholeBlock):
+    """The engine's block runner, tile by tile (see `tiled`); a block the tiles would not cut
+    (one tile covers it) runs whole."""
+
+    def __init__(self, frames: int):
+        self.frames, self.noted = frames, False
+        self.attention: dict[int, nn.Module] = {}
+
+    def site(self, block: nn.Module, args, kwargs):
+        """(Site, tiles) for this call, or (None, None) to run the block whole."""
+        attn = self.attention.get(id(block)) or self.attention.setdefault(id(block), tiled_attention(block))
+        x = args[0] if args else None
+        check(torch.is_tensor(x) and x.dim() == 5, f"tiling needs blocks called with the token grid (B, T, H, W, C) first, "
+                                                   f"not {type(x).__name__}")
+        rule = attn.tile_rule(tuple(x.shape[1:4]))
+        tiles = tiles_for(rule, x.shape, self.frames)
+        if self.frames > x.shape[1] and not self.noted:
+            self.noted = True
+            warnings.warn(f"offload.tile={self.frames} frames is more than the clip's {x.shape[1]}: clamped, the blocks run untiled")
+        if len(tiles) == 1:
+            return None, None
+        return Site(block.forward, attn, rule, tuple(args[1:]), dict(kwargs)), tiles
+
+    def forward(self, block, params, args, kwargs):
+        site, tiles = self.site(block, args, kwargs)
+        if site is None:
+            return super().forward(block, params, args, kwargs)
+        return _within(block, params, lambda: forward_tiles(site, args[0], tiles))
+
+    def grads(self, block, params, args, kwargs, grad_outputs, weights: list) -> tuple[list, list]:
+        site, tiles = self.site(block, args, kwargs)
+        if site is None:
+            return super().grads(block, params, args, kwargs, grad_outputs, weights)
+        flat = tree_flatten((args, kwargs))[0]
+        needs = [torch.is_tensor(t) and t.requires_grad for t in flat]
+        sums = Sums(args[0], [t for t, n in zip(flat[1:], needs[1:]) if n], list(weights))
+        _within(block, params, lambda: grad_tiles(site, args[0], tiles, grad_outputs[0], sums))
+        grid, others, weight_grads = sums.result()
+        others = iter(others)
+        return [grid] + [next(others) if n else None for n in needs[1:]], weight_grads
+
+
+def _within(block: nn.Module, params, work):
+    """`work()` with `params` standing in for the block's parameters (functional_call calls the
+    block's forward, so the work stands in for it); with no params, on the block's own."""
+    if params is None:
+        return work()
+    with stand_in(block, lambda *args, **kwargs: work()):
+        return torch.func.functional_call(block, params, ())
+
+
+def make_runner(policy, model: nn.Module, blocks) -> WholeBlock:
+    """The engine's block runner for `policy.tile` (None: whole blocks)."""
+    if policy.tile is None:
+        return WholeBlock()
+    check_tileable(model, blocks, policy.tile)
+    return TiledBlock(policy.tile)
+
+
+# -- a resident model ------------------------------------------------------------------------------
+
+
+class TileHook:
+    """Stands in for a resident block's `forward`: tiled, checkpointed per block."""
+
+    def __init__(self, runner: TiledBlock, block: nn.Module, original):
+        self.runner, self.block, self.original, self.active = runner, block, original, False
+
+    def __call__(self, *args, **kwargs):
+        if self.active:  # the runner itself calling the block
+            return self.original(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return self.run(self.runner.forward, None, args, kwargs)
+        weights = [p for p in self.block.parameters() if p.requires_grad]
+        tensors, spec = tree_flatten((args, kwargs))
+        return TiledCheckpoint.apply(self, spec, len(weights), *weights, *tensors)
+
+    def run(self, method, *arguments):
+        self.active = True
+        try:
+            return method(self.block, *arguments)
+        finally:
+            self.active = False
+
+
+class TiledCheckpoint(torch.autograd.Function):
+    """One resident block as a checkpoint: forward tiled without a graph, backward recomputes
+    tile by tile; the block's weights are inputs, so their gradients accumulate as usual."""
+
+    @staticmethod
+    def forward(ctx, hook: TileHook, spec, count: int, *flat):
+        weights, tensors = flat[:count], flat[count:]
+        args, kwargs = tree_unflatten(list(tensors), spec)
+        with torch.no_grad():
+            out = hook.run(hook.runner.forward, None, args, kwargs)
+        check(torch.is_tensor(out), f"tile_blocks needs blocks that return one tensor, not {type(out).__name__}")
+        ctx.hook, ctx.spec, ctx.weights = hook, spec, weights
+        ctx.autocast = (torch.is_autocast_enabled(out.device.type), torch.get_autocast_dtype(out.device.type), out.device.type)
+        ctx.save_for_backward(*[t if torch.is_tensor(t) else None for t in tensors])
+        ctx.others = [None if torch.is_tensor(t) else t for t in tensors]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tensors = [s if o is None else o for s, o in zip(ctx.saved_tensors, ctx.others)]
+        inputs = [t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t for t in tensors]
+        args, kwargs = tree_unflatten(inputs, ctx.spec)
+        enabled, dtype, device = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            input_grads, weight_grads = ctx.hook.run(ctx.hook.runner.grads, None, args, kwargs, [grad_out], list(ctx.weights))
+        return (None, None, None, *weight_grads, *input_grads)
+
+
+def tile_blocks(model: nn.Module, frames: int) -> None:
+    """Run every block of a resident `model` tile by tile (`frames` per tile), each a checkpoint."""
+    from slidefusion.adapters import adapter_for
+
+    blocks = adapter_for(model).blocks(model)
+    check_tileable(model, blocks, frames, key="tile")
+    runner = TiledBlock(frames)
+    for block in blocks:
+        check(not isinstance(block.__dict__.get("forward"), TileHook), "tile_blocks: the model is already tiled")
+        block.forward = TileHook(runner, block, block.forward)
+
+
+def untile_blocks(model: nn.Module) -> None:
+    """Undo `tile_blocks`."""
+    for block in model.modules():
+        if isinstance(block.__dict__.get("forward"), TileHook):
+            del block.forward

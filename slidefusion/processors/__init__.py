@@ -1,0 +1,16 @@
+"""Slide attention inside real models: `use_slide_attention(transformer, ...)` swaps the video
+self-attention of a supported diffusers video transformer (Wan, CogVideoX, HunyuanVideo, Mochi,
+LTX-Video, Latte) or of our DiT3D / STDiT for 3D deformable slide attention, reversibly
+(`handle.remove()` or `restore_attention(transformer)`). See `swap.py`."""
+
+from slidefusion.processors.processor import GridState, SitePlan, SlideProcessor
+from slidefusion.processors.records import SWAP_RECORDS, SlideOptions, SwapRecord
+from slidefusion.processors.swap import (
+    SlideAttentionHandle,
+    restore_attention,
+    slide_attention_handle,
+    use_slide_attention,
+)
+
+__all__ = ["SWAP_RECORDS", "GridState", "SitePlan", "SlideAttentionHandle", "SlideOptions", "SlideProcessor",
+           "SwapRecord", "restore_attention", "slide_attention_handle", "use_slide_attention"]

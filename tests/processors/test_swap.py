@@ -2,6 +2,8 @@
 
 - stock vs swapped: a window covering the grid with zero offsets computes what the stock model does
   (fp32, 1e-5), a smaller window does not, and `remove` gives the stock output back bitwise;
+- the layout: in a one-layer model a perturbed token changes exactly the outputs whose window
+  holds it (so the token order, the text side of joint blocks and the batch rows are right);
 - a swapped model trains its offsets, resident and on the offload engine (equal to each other);
 - torch.compile traces a swapped model in one graph;
 - bad input is one UserError line.
@@ -50,6 +52,44 @@ def test_swap_equals_stock_when_the_window_covers_the_grid(family):
     assert (local - stock).abs().max() > 1e-2  # the swapped path runs
     assert torch.equal(back, stock)
     assert set(model.state_dict()) == keys and len(model._forward_pre_hooks) == hooks
+
+
+# One layer each: attention is then the only way one video token's input reaches another's output.
+ONE_LAYER = {"wan": dict(num_layers=1), "cogvideox": dict(num_layers=1), "cogvideox1.5": dict(num_layers=1),
+             "hunyuanvideo": dict(num_layers=1, num_single_layers=0), "mochi": dict(num_layers=1),
+             "ltx": dict(num_layers=1), "latte": dict(num_layers=1), "dit3d": dict(depth=1), "stdit": dict(depth=1)}
+
+
+def _window_holds(j: int, i: int, k: int, n: int) -> bool:
+    """Does query i's window (NATTEN's border rule) on an axis of n tokens hold key j?"""
+    start = min(max(i - k // 2, 0), n - k)
+    return start <= j < start + k
+
+
+@pytest.mark.parametrize("family", list(ONE_LAYER))
+def test_a_token_reaches_exactly_the_queries_whose_window_holds_it(family):
+    # Layout check (token order, text side, batch rows): a (1, 1, 3) window along W only; Latte's and
+    # STDiT's temporal blocks stay dense, so there a token also reaches every frame.
+    model = tiny_model(family, **ONE_LAYER[family])
+    adapter = adapter_for(model)
+    x = tiny_latents(model, 2, family_latent_thw(family))
+    t, text = torch.tensor([0.7, 0.3]) * adapter.objective.scale, tiny_text(model, 2, 8, lengths=[5, 8])
+    use_slide_attention(model, kernel_size=(1, 1, 3))
+    grid, (pt, ph, pw) = adapter.token_grid(model, x.shape), adapter.patch_size(model)
+    t0, h0, w0 = (n // 2 for n in grid)
+    y = x.clone()
+    y[0, :, t0 * pt:(t0 + 1) * pt, h0 * ph:(h0 + 1) * ph, w0 * pw:(w0 + 1) * pw] += 1.0
+    with torch.no_grad():
+        change = (adapter.predict(model, y, t, text) - adapter.predict(model, x, t, text)).abs()
+    b, c = change.shape[:2]
+    reached = change.reshape(b, c, grid[0], pt, grid[1], ph, grid[2], pw).amax(dim=(1, 3, 5, 7)) > 1e-6
+    every_frame = family in ("latte", "stdit")
+    expected = torch.zeros_like(reached)
+    for ti in range(grid[0]):
+        for wi in range(grid[2]):
+            expected[0, ti, h0, wi] = (every_frame or ti == t0) and _window_holds(w0, wi, 3, grid[2])
+    assert torch.equal(reached, expected)
+    restore_attention(model)
 
 
 def test_latte_temporal_blocks_stay_dense_by_default():

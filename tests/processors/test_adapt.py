@@ -1,0 +1,73 @@
+"""Adapting a dense model to slide attention (the MegaSlide workflow) on our own models:
+`slidefusion train CONFIG --init-from DENSE_CHECKPOINT model.attention=slide`, resident and with
+--offload. The slide model starts where the dense one is: with a window covering the grid its
+prediction equals the dense checkpoint's."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slidefusion.cli import main
+from slidefusion.models import build_model
+from slidefusion.training import Trainer, load_config
+from slidefusion.training.checkpoint import load_checkpoint
+
+# data 2 x 8 x 8 frames/pixels -> a latent token grid no larger than 2 x 8 x 8: [3, 9, 9] covers it
+WHOLE = "model.attention_options={kernel_size: [3, 9, 9]}"
+
+
+def _config(tmp_path, *overrides):
+    return load_config(None, [
+        "model.preset=dit3d-tiny", "data.frames=2", "data.height=8", "data.width=8", "run.batch_size=2",
+        "run.log_every=1", "run.save_every=1", f"run.output_dir={tmp_path}", "optim.warmup_steps=1", *overrides,
+    ])
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dense")
+    trainer = Trainer(_config(tmp, "run.steps=1", "run.name=dense", "optim.ema_decay=null"), quiet=True)
+    with torch.no_grad():  # adaLN-Zero starts every block as the identity: wake the attention up
+        for param in trainer.model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    return trainer.train().last_checkpoint, trainer.config.model
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_init_from_dense_starts_the_slide_model_where_the_dense_one_is(tmp_path, dense_checkpoint, offload):
+    extra = ["offload.enabled=true"] if offload else []
+    slide = Trainer(_config(tmp_path, "run.steps=1", "run.name=slide", "model.attention=slide", WHOLE, *extra),
+                    quiet=True)
+    path, dense_config = dense_checkpoint
+    loaded, skipped = slide.init_from(path)
+    assert loaded and all(".attn.offset_" in name for name in skipped), skipped
+    weights = slide.optimizer.model_state_dict() if offload else slide.model.state_dict()
+    dense = load_checkpoint(path)
+    assert all(torch.equal(weights[name], dense.sampling_weights[name]) for name in loaded)
+
+    # Same prediction: the dense checkpoint's model vs a slide model holding what the run will train from.
+    dense_model = build_model(dense_config).eval()
+    dense_model.load_state_dict(dense.sampling_weights)
+    slide_model = build_model(slide.config.model).eval()
+    slide_model.load_state_dict(weights)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, dense_config.in_channels, 2, 8, 8, generator=g)
+    t, text = torch.rand(2, generator=g), torch.randn(2, 5, dense_config.text_dim, generator=g)
+    with torch.no_grad():
+        expected, got = dense_model(x, t, text), slide_model(x, t, text)
+    assert (got - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max())
+    if offload:
+        slide.optimizer.close()
+
+
+@pytest.mark.parametrize("offload", [[], ["--offload", "--device", "cpu"]])
+def test_cli_adapts_a_dense_checkpoint_to_slide_attention(tmp_path, dense_checkpoint, offload, capsys):
+    code = main(["train", "configs/tiny.yaml", "--init-from", str(dense_checkpoint[0]), "model.attention=slide",
+                 "model.attention_options={kernel_size: [3, 5, 5], offset_mode: shift}", "data.frames=2",
+                 "data.height=8", "data.width=8", "run.batch_size=2", "run.steps=2", "run.save_every=2",
+                 f"run.output_dir={tmp_path}", *offload, "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "left as initialised" in out and "blocks.0.attn.offset_linear.weight (not in checkpoint)" in out
+    weights = load_file(tmp_path / "tiny" / "checkpoint-2" / "model.safetensors")
+    assert weights["blocks.0.attn.offset_linear.weight"].abs().max() > 0  # trained away from zero

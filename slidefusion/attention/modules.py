@@ -136,12 +136,13 @@ class _OffsetLayers:
 
     def _build_offset_layers(self, dim: int, heads: int, kernel_size, offset_mode: str, max_offset: float) -> None:
         self.kernel_size = check_kernel_size(kernel_size)
-        check(offset_mode in OFFSET_MODES, f"offset_mode={offset_mode!r} is unknown; valid: {', '.join(OFFSET_MODES)}")
+        check(offset_mode in OFFSET_MODES,
+              f"offset_mode={offset_mode!r} is unknown; valid: {', '.join(OFFSET_MODES)}")
         check(
             isinstance(max_offset, (int, float)) and not isinstance(max_offset, bool) and max_offset > 0,
             f"max_offset={max_offset!r} must be a number > 0 (tokens)",
         )
-        self.offset_mode, self.max_offset = offset_mode, float(max_offset)
+        self.offset_mode, self.max_offset, self.offset_heads = offset_mode, float(max_offset), heads
         kt, kh, kw = self.kernel_size
         self.slots = kt * kh * kw if offset_mode == "sample" else 1
         self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)

@@ -96,13 +96,15 @@ class SlideProcessor:
         return out
 
     def attend(self, attn, view: Triple, query: Tensor, key: Tensor, value: Tensor, attn_mask=None,
-               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False):
         """The stock processor's SDPA call: q, k, v (b, heads, S, D) -> (b, heads, S, D), S = the view's
         video tokens plus any text tokens (on the plan's `text` side)."""
         b, heads, S, D = query.shape
         n = math.prod(view)
         check(dropout_p == 0.0 and not is_causal and not enable_gqa and key.shape == query.shape,
-              f"{self.plan.path}: slide attention replaces plain self-attention only (no dropout, causal mask or GQA)")
+              f"{self.plan.path}: slide attention replaces plain self-attention only "
+              "(no dropout, causal mask or GQA)")
         check(S == n or (self.plan.text is not None and S > n),
               f"{self.plan.path}: the attention sees {S} tokens but the token grid {view} holds {n}")
         text = slice(0, S - n) if self.plan.text == "first" else slice(n, S)

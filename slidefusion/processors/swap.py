@@ -51,7 +51,8 @@ class SlideAttentionHandle:
 
 
 def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: str | None = "sample", *,
-                        max_offset: float = 0.9, temporal: str = "dense", backend: str = "auto") -> SlideAttentionHandle:
+                        max_offset: float = 0.9, temporal: str = "dense",
+                        backend: str = "auto") -> SlideAttentionHandle:
     """Swap the video self-attention of `transformer` (a supported diffusers video transformer, or
     our DiT3D / STDiT) for slide attention; see `SlideOptions` for the arguments.
 
@@ -68,7 +69,8 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
     adapter = adapter_for(transformer)
     check(transformer not in _SWAPPED, f"{type(transformer).__name__} already uses slide attention; "
                                        "call restore_attention(model) before swapping it again")
-    sites = [s for s in adapter.attention_sites(transformer) if s.kind != "temporal" or options.temporal == "slide"]
+    sites = [s for s in adapter.attention_sites(transformer)
+             if s.kind != "temporal" or options.temporal == "slide"]
     handle = SlideAttentionHandle(transformer, options, [s.path for s in sites])
     try:
         if adapter.family in _OURS:

@@ -71,3 +71,58 @@ def test_cli_adapts_a_dense_checkpoint_to_slide_attention(tmp_path, dense_checkp
     assert "left as initialised" in out and "blocks.0.attn.offset_linear.weight (not in checkpoint)" in out
     weights = load_file(tmp_path / "tiny" / "checkpoint-2" / "model.safetensors")
     assert weights["blocks.0.attn.offset_linear.weight"].abs().max() > 0  # trained away from zero
+
+
+# ---------------------------------------------------------------- a pretrained diffusers folder
+def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swap(tmp_path):
+    # What a fine-tune of model.pretrained=DIR with model.attention=slide does on each path.
+    from itertools import chain
+
+    from slidefusion.adapters import adapter_for
+    from slidefusion.offload import OffloadEngine, OffloadPolicy
+    from slidefusion.pretrained import build_on_meta, iter_weights, load_transformer
+    from slidefusion.processors import slide_offset_weights, use_configured_attention
+    from slidefusion.testing.tiny import save_tiny_transformer, tiny_text
+
+    folder = save_tiny_transformer(tmp_path / "wan", "wan")
+    options = {"kernel_size": [1, 3, 3], "offset_mode": "shift"}
+    resident = load_transformer(folder, dtype=torch.float32)
+    use_configured_attention(resident, "slide", options)
+    offsets = slide_offset_weights(resident, seed=3)
+    assert offsets.keys() == {n for n in resident.state_dict() if ".slide_offsets." in n} and len(offsets) == 8
+    resident.load_state_dict(offsets, strict=False)
+
+    meta = build_on_meta(folder)
+    use_configured_attention(meta, "slide", options)
+    assert next(meta.blocks[0].attn1.slide_offsets.parameters()).is_meta
+    engine = OffloadEngine(meta, adapter_for(meta).blocks(meta), OffloadPolicy(device="cpu", compute_dtype=torch.float32))
+    engine.load_weights(chain(iter_weights(folder), slide_offset_weights(meta, seed=3).items()))
+    weights = engine.model_state_dict()
+    assert all(torch.equal(weights[name], value) for name, value in resident.state_dict().items())
+
+    adapter, x = adapter_for(resident), torch.randn(1, 4, 2, 6, 10, generator=torch.Generator().manual_seed(0))
+    text = tiny_text(resident, 1)
+
+    def loss(model):
+        return adapter.predict(model, x, torch.tensor([500.0]), text).square().mean()
+
+    assert engine.train_step(loss) == loss(resident).item()
+    engine.close()
+
+
+def test_configured_attention_names_and_options():
+    from slidefusion.errors import UserError
+    from slidefusion.processors import slide_attention_handle, use_configured_attention
+    from slidefusion.testing.tiny import tiny_model
+
+    model = tiny_model("wan")
+    assert use_configured_attention(model, "dense", {}) is None and slide_attention_handle(model) is None
+    handle = use_configured_attention(model, "neighborhood", {"kernel_size": [1, 3, 3]})
+    assert handle.options.offsets is None and not any(".slide_offsets." in n for n in model.state_dict())
+    handle.remove()
+    for attention, options, message in [("window", {}, "model.attention='window' is not available"),
+                                        ("slide", {"window_size": 3}, "has no 'window_size'"),
+                                        ("dense", {"kernel_size": 3}, "need model.attention=slide"),
+                                        ("slide", {"kernel_size": [4, 3, 3]}, "kernel_size must be odd")]:
+        with pytest.raises(UserError, match=message):
+            use_configured_attention(model, attention, options)

@@ -49,8 +49,12 @@ def _train(trainer, args) -> None:
 
 
 def _pipeline(args, checkpoint):
-    from slidefusion.pipeline import VideoPipeline
+    from slidefusion.pipeline import FolderPipeline, VideoPipeline
 
+    if getattr(args, "pretrained", None):
+        if checkpoint not in (_REQUIRED, None) or getattr(args, "init", "checkpoint") == "random" or args.model:
+            raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
+        return FolderPipeline.from_pretrained(args.pretrained, device=args.device)
     if getattr(args, "init", "checkpoint") == "random":
         if not args.model:
             raise UserError("--init random needs --model PRESET (e.g. stdit-tiny)")
@@ -60,7 +64,7 @@ def _pipeline(args, checkpoint):
     if getattr(args, "model", None):
         raise UserError("--model is only for --init random; a checkpoint brings its own model")
     if checkpoint is _REQUIRED:
-        raise UserError("--checkpoint DIR is required unless --init random --model PRESET is given")
+        raise UserError("--checkpoint DIR is required unless --pretrained DIR or --init random --model PRESET is given")
     return VideoPipeline.from_checkpoint(checkpoint, device=args.device)
 
 
@@ -73,6 +77,12 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         check_video_path(out)
         output_path(out, "--out")
     start = time.perf_counter()
+    if getattr(args, "pretrained", None):  # sizes against the folder's VAE and patch, before loading weights
+        from slidefusion.pretrained import check_generation, open_folder
+
+        folder = open_folder(args.pretrained)
+        if None not in (args.frames, args.height, args.width):
+            check_generation(folder, args.frames, args.height, args.width)
     pipe = _pipeline(args, checkpoint)
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet)
@@ -80,14 +90,23 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         print(f"wrote {save_latents(args.save_latents, latents)}")
     video = pipe.decode(latents)
     for out in outs:
-        write_video(out, video, fps=pipe.config.data.fps)
+        write_video(out, video, fps=pipe.fps)
         print(f"wrote {out}")
     print(f"{prompt!r}: {video.shape[1]} frames of {video.shape[2]}x{video.shape[3]} in {time.perf_counter() - start:.1f} s")
 
 
 def cmd_generate(args) -> None:
-    from slidefusion.parallel.cli import generate_parallel, reject_parallel_options
+    from slidefusion.parallel.cli import generate_parallel, generate_pretrained_parallel, reject_parallel_options
 
+    if args.pretrained:
+        missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
+        if missing:
+            raise UserError(f"--pretrained needs {', '.join(missing)}: the video size in pixels (for Wan, frames "
+                            "1 + 4k and sides multiples of 16, e.g. --frames 33 --height 480 --width 832)")
+    if args.parallel and args.pretrained:
+        if args.checkpoint is not _REQUIRED or args.init == "random" or args.model:
+            raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
+        return generate_pretrained_parallel(args)
     if getattr(args, "parallel", None):
         return generate_parallel(args, lambda a: _pipeline(a, a.checkpoint))
     reject_parallel_options(args)
@@ -104,9 +123,18 @@ def cmd_export(args) -> None:
 
     from slidefusion.training.checkpoint import export_checkpoint
 
-    path = export_checkpoint(args.checkpoint, args.out, getattr(torch, args.dtype), force=args.force)
-    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-    print(f"wrote {path} ({size:.1f} MiB)")
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    if args.format == "diffusers":
+        from slidefusion.training.finetune.export import DEFAULT_SHARD, export_diffusers
+
+        path, what = export_diffusers(args.checkpoint, args.out, dtype, force=args.force,
+                                      max_shard_size=args.max_shard_size or DEFAULT_SHARD)
+    else:
+        if args.max_shard_size is not None:
+            raise UserError("--max-shard-size applies to --format diffusers only")
+        path, what = export_checkpoint(args.checkpoint, args.out, dtype or torch.float16, force=args.force), "sampling-only"
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+    print(f"wrote {path} ({what}, {size:.1f} MiB)")
 
 
 def _sampling_options(parser: ArgumentParser) -> None:
@@ -141,6 +169,9 @@ def parser() -> ArgumentParser:
 
     generate = sub.add_parser("generate", help="generate a video from a prompt")
     generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")
+    generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
+                          help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
+                               "sampled with its own scheduler")
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")
@@ -153,11 +184,17 @@ def parser() -> ArgumentParser:
     add_parallel_options(generate)
     generate.set_defaults(func=cmd_generate)
 
-    export = sub.add_parser("export", help="write a sampling-only copy of a checkpoint (EMA weights, half precision)")
+    export = sub.add_parser("export", help="write a sampling-only copy of a checkpoint (EMA weights), or a diffusers folder")
     export.add_argument("--checkpoint", required=True, help="checkpoint folder or run folder (its latest)")
     export.add_argument("--out", required=True, type=types.output_folder,
                         help="destination folder; it must not exist yet unless --force")
-    export.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    export.add_argument("--format", choices=["slidefusion", "diffusers"], default="slidefusion",
+                        help="slidefusion: config + weights for `generate --checkpoint`; diffusers (a model.pretrained "
+                             "run): a pipeline folder, or with lora.rank the LoRA weights for pipe.load_lora_weights")
+    export.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                        help="weights dtype (default: float16; diffusers: as the source folder stores them)")
+    export.add_argument("--max-shard-size", type=types.byte_size, default=None, metavar="SIZE",
+                        help="diffusers: largest safetensors shard, e.g. 5GB (the default)")
     export.add_argument("--force", action="store_true", help="replace --out if it is an existing folder")
     export.set_defaults(func=cmd_export)
 

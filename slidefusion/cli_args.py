@@ -113,6 +113,18 @@ def _existing_file(value: str) -> str:
 existing_file = arg_type("file", _existing_file)
 
 
+def _existing_folder(value: str) -> str:
+    path = Path(value)
+    if not path.exists():
+        raise UserError(f"{value!r} does not exist")
+    if not path.is_dir():
+        raise UserError(f"{value!r} is a file; give a folder")
+    return value
+
+
+existing_folder = arg_type("folder", _existing_folder)
+
+
 def int_list(count: int | None = None, low: int = 1):
     """Comma-separated ints >= `low` ('1,2,4'), exactly `count` of them when given."""
 

@@ -42,3 +42,19 @@ def tiny_wan_variant_dir(tmp_path_factory):
         return built[variant]
 
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_dir(tmp_path_factory, tiny_wan_dir):
+    """A function family -> a tiny pipeline folder of that family (`slidefusion.testing.pipelines`),
+    each built once per session; "wan" is `tiny_wan_dir`."""
+    from slidefusion.testing.pipelines import save_tiny_pipeline
+
+    built = {"wan": tiny_wan_dir}
+
+    def folder(family):
+        if family not in built:
+            built[family] = save_tiny_pipeline(tmp_path_factory.mktemp(f"tiny-{family}") / family, family)
+        return built[family]
+
+    return folder

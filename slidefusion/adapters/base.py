@@ -53,6 +53,14 @@ class ModelAdapter:
         width keywords); check_latents: extra shape rules (Latte's video_length);
     options: per-instance settings, with defaults, that the pipeline config may set (Wan 2.2's
         `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance).
+    schedule: how the family's pipeline sets its scheduler's timesteps (`slidefusion.pretrained.sampling`):
+        "default" (`set_timesteps(steps)`), "linspace" (sigmas 1 .. 1/steps, HunyuanVideo),
+        "shifted-linspace" (the same from 1 to 1/steps with mu from the token count, LTX),
+        "linear-quadratic" (Mochi's schedule);
+    guidance: "cfg" (a conditional and an unconditional prediction) or "embedded" (the scale is an
+        input of a guidance-distilled model, HunyuanVideo);
+    lora_targets: the modules LoRA adapts by default (peft `target_modules`: name suffixes);
+    fps: the frame rate the family's examples write videos at (`export_to_video(..., fps=)`).
     """
 
     family: str
@@ -70,6 +78,10 @@ class ModelAdapter:
     input_layout: str = "BCTHW"
     check_latents: CheckFn | None = None
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    schedule: str = "default"
+    guidance: str = "cfg"
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    fps: int = 16
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""

@@ -82,7 +82,7 @@ COGVIDEOX = ModelAdapter(
     objective=Objective("v", "index", 1000.0, "CogVideoXDDIMScheduler"),
     text=TextSpec(**ONE_T5, max_length=226, padding="encoder"),
     pipelines=("CogVideoXPipeline", "CogVideoXImageToVideoPipeline"),
-    input_layout="BTCHW", text_dim="text_embed_dim",
+    input_layout="BTCHW", text_dim="text_embed_dim", fps=8,
 )
 
 
@@ -111,6 +111,7 @@ HUNYUAN = ModelAdapter(
                   256, "encoder", pooled=True),
     pipelines=("HunyuanVideoPipeline",), text_dim="text_embed_dim", pooled_dim="pooled_projection_dim",
     options=MappingProxyType({"guidance_scale": 6.0}),  # HunyuanVideoPipeline's default
+    schedule="linspace", guidance="embedded", fps=15,
 )
 
 
@@ -149,6 +150,7 @@ LTX = ModelAdapter(
     input_layout="packed", text_dim="caption_channels",
     # LTXPipeline: (VAE temporal compression / frame_rate, spatial, spatial) = (8 / 25, 32, 32) by default
     options=MappingProxyType({"rope_interpolation_scale": (8 / 25, 32, 32)}),
+    schedule="shifted-linspace", fps=24,
 )
 
 
@@ -165,7 +167,7 @@ MOCHI = ModelAdapter(
     # Mochi's scheduler inverts the sigmas: the model sees (1 - sigma) * 1000 and predicts x0 - noise.
     objective=Objective("flow", "1-sigma", 1000.0, "FlowMatchEulerDiscreteScheduler", velocity="x0-noise"),
     text=TextSpec(**ONE_T5, max_length=256, padding="encoder"),
-    pipelines=("MochiPipeline",), text_dim="text_embed_dim",
+    pipelines=("MochiPipeline",), text_dim="text_embed_dim", schedule="linear-quadratic", fps=30,
 )
 
 
@@ -194,7 +196,7 @@ LATTE = ModelAdapter(
     objective=Objective("epsilon", "index", 1000.0, "DDIMScheduler", learned_sigma=True),
     text=TextSpec(**ONE_T5, max_length=120, padding="truncate"),
     pipelines=("LattePipeline",), text_dim="caption_channels",
-    check_latents=_check_latte,
+    check_latents=_check_latte, fps=8,
 )
 
 DIFFUSERS_ADAPTERS = (WAN, COGVIDEOX, HUNYUAN, LTX, MOCHI, LATTE)

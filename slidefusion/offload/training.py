@@ -8,7 +8,7 @@ from slidefusion.adapters import adapter_for
 from slidefusion.offload.config import DTYPES
 from slidefusion.offload.engine import OffloadEngine
 from slidefusion.offload.planner import Workload, activation_parts, auto_resident_blocks, engine_plan, require_fit
-from slidefusion.offload.shapes import shape_of_config
+from slidefusion.offload.shapes import ModelShape, shape_of_config
 from slidefusion.offload.policy import OffloadPolicy
 
 
@@ -21,14 +21,15 @@ def offload_policy(config) -> OffloadPolicy:
                          pin_budget=off.pin_budget_bytes)
 
 
-def offload_optimizer(model: nn.Module, config, tokens: int) -> OffloadEngine:
+def offload_optimizer(model: nn.Module, config, tokens: int, shape: ModelShape | None = None) -> OffloadEngine:
     """An `OffloadEngine` for a `TrainConfig`, once the planner says it fits; `tokens` per sample
-    size the activations."""
+    size the activations; `shape`: the model's (default: from `config.model`, one of our presets)."""
     off, run = config.offload, config.run
     policy = offload_policy(config)
-    work = Workload(batch=run.batch_size, tokens=tokens, attention=_attention_kind(config.model.attention))
+    shape = shape or shape_of_config(config.model)
+    work = Workload(batch=run.batch_size, tokens=tokens, attention=_attention_kind(shape.attention))
     blocks = engine_blocks(model)
-    activations = sum(activation_parts(shape_of_config(config.model), work, policy.compute_bytes).values())
+    activations = sum(activation_parts(shape, work, policy.compute_bytes).values())
     if off.resident_blocks == "auto":
         policy = dataclasses.replace(policy, resident_blocks=auto_resident_blocks(model, blocks, policy, activations))
     require_fit(engine_plan(model, blocks, policy, activations))
@@ -41,4 +42,4 @@ def engine_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def _attention_kind(name: str) -> str:
-    return name if name in ("dense", "window", "slide") else "dense"  # unknown operators: the worst case
+    return name if name in ("dense", "flash", "window", "slide") else "dense"  # unknown operators: the worst case

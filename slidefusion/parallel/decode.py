@@ -60,10 +60,6 @@ def halo(vae: nn.Module, split: TileSplit, axis: int) -> int:
     return math.ceil(reach - 1e-9)
 
 
-# 2-D image VAEs decode each frame on its own (Latte's pipeline decodes frame by frame): frames split exactly.
-FRAME_VAES = ("AutoencoderKL",)
-
-
 def can_split(vae: nn.Module) -> bool:
     return type(vae).__name__ in VAE_SPLITS
 
@@ -117,19 +113,17 @@ def split_decode(vae: nn.Module, latents: Tensor, comm: Comm) -> Tensor:
 @torch.no_grad()
 def decode_video(vae: nn.Module, latents: Tensor, comm: Comm | None = None) -> Tensor:
     """Sampled latents (B, C, T, H, W) in the transformer's units -> videos (B, 3, F, H', W') in
-    [-1, 1], as WanPipeline decodes them (the latents' mean and std from the VAE's config undone
-    first); split over `comm`'s ranks where the VAE allows it."""
-    config = vae.config
-    z = latents.to(vae.dtype)
-    if getattr(config, "latents_mean", None) is not None:
-        shape = (1, z.shape[1], 1, 1, 1)
-        mean = torch.tensor(config.latents_mean, dtype=z.dtype).view(shape)
-        std = torch.tensor(config.latents_std, dtype=z.dtype).view(shape)
-        z = z * std + mean
-    elif getattr(config, "scaling_factor", None):
-        z = z / config.scaling_factor
-    if type(vae).__name__ in FRAME_VAES:
+    [-1, 1], as the family's pipeline decodes them (the normalisation of `DiffusersVideoAutoencoder`
+    undone first: one definition for training caches and sampling); split over `comm`'s ranks where
+    the VAE allows it."""
+    from slidefusion.vae import DiffusersVideoAutoencoder
+
+    autoencoder = DiffusersVideoAutoencoder(vae)
+    z = autoencoder.denormalise(latents)
+    if autoencoder.image:
         video = frames_decode(vae, z, comm)
+    elif comm is None or comm.size == 1 or not can_split(vae):
+        video = autoencoder.decode_raw(z)
     else:
-        video = vae.decode(z, return_dict=False)[0] if comm is None else split_decode(vae, z, comm)
+        video = split_decode(vae, z, comm)
     return video.float().clamp(-1, 1)

@@ -28,11 +28,21 @@ def load_component(folder: PretrainedFolder | str | Path, name: str, **kwargs):
         from transformers import AutoTokenizer as cls
     check(cls is not None, f"pretrained={folder.root}: component {name} is a {library}.{class_name}, "
                            f"which this {library} version does not have")
+    _quiet_loaders()
     try:
         return cls.from_pretrained(str(path), local_files_only=True, **kwargs)
     except (OSError, ValueError) as err:  # "not on disk" comes as either
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"pretrained={folder.root}: component {name}/ does not load: {reason}") from None
+
+
+def _quiet_loaders() -> None:
+    """No per-component "Loading weights" bars from transformers and diffusers on every command."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
 
 
 def load_text_encoders(folder: PretrainedFolder | str | Path, **kwargs) -> list[tuple[object, object]]:

@@ -119,9 +119,10 @@ def atomic_folder(final: Path):
 
 
 def _fsync_dir(folder: Path) -> None:
-    for child in folder.iterdir():
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
+    for child in folder.rglob("*"):  # subfolders too: a diffusers export holds one per component
+        if child.is_file():
+            with open(child, "rb") as handle:
+                os.fsync(handle.fileno())
 
 
 def load_checkpoint(path: str | Path, with_state: bool = False) -> Checkpoint:

@@ -20,6 +20,7 @@ from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
 from slidefusion.offload.config import OffloadConfig
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
+from slidefusion.training.finetune.config import LoraConfig, PretrainedModelConfig
 
 
 @dataclass
@@ -36,6 +37,7 @@ class DataConfig:
     root: str | None = None  # the video folder, for kind="folder"
     stride: int = 1  # frame stride when reading real videos
     fps: int = 8  # playback rate of exported videos
+    cache_dir: str | None = None  # latent and text caches of a diffusers fine-tune (null: RUN/cache)
 
     def __post_init__(self):
         for name in ("frames", "height", "width", "num_samples", "max_objects", "stride", "fps"):
@@ -81,15 +83,30 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=lambda: preset("dit3d-tiny"))
+    """A training run. `model` is one of our presets (ModelConfig) or, with `model.pretrained=DIR`, the
+    transformer of a diffusers pipeline folder, whose text encoders and VAE then come from the folder
+    (`text_encoder`, `text_max_length` and `autoencoder` apply to our own models only)."""
+
+    model: ModelConfig | PretrainedModelConfig = field(default_factory=lambda: preset("dit3d-tiny"))
     data: DataConfig = field(default_factory=DataConfig)
     diffusion: FlowConfig = field(default_factory=FlowConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     text_encoder: str = "minilm"
     text_max_length: int = 32
     autoencoder: str = "identity"
+
+    def __post_init__(self):
+        check(self.pretrained or not self.lora.enabled,
+              f"lora.rank={self.lora.rank} applies to diffusers folders only; add model.pretrained=DIR, "
+              "or set lora.rank=null")
+
+    @property
+    def pretrained(self) -> bool:
+        """A fine-tune of a diffusers folder (`model.pretrained=DIR`)."""
+        return isinstance(self.model, PretrainedModelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -144,10 +161,18 @@ def _check_finite_inside(value, key: str) -> None:
         _check_finite_inside(inner, f"{key}.{name}")
 
 
-def _model_from_dict(data: dict, key: str) -> ModelConfig:
-    """A `model:` section: an optional `preset` name, then any ModelConfig fields on top."""
+def _model_from_dict(data: dict, key: str) -> ModelConfig | PretrainedModelConfig:
+    """A `model:` section: an optional `preset` name, then any ModelConfig fields on top; or
+    `pretrained: DIR` (a diffusers folder, whose config.json defines the model)."""
     if not isinstance(data, dict):
         raise UserError(f"{key}={data!r} must be a section (a mapping), e.g. {key}.preset=dit3d-tiny")
+    if "pretrained" in data:
+        valid = [f.name for f in dataclasses.fields(PretrainedModelConfig)]
+        other = [k for k in data if k not in valid]
+        if other:
+            raise UserError(f"{key}.{other[0]} cannot be combined with {key}.pretrained (the folder's config.json "
+                            f"defines the model); valid keys with {key}.pretrained: {', '.join(valid)}")
+        return build(PretrainedModelConfig, data, key)
     data = dict(data)
     name = data.pop("preset", None)
     if name is not None and not isinstance(name, str):
@@ -169,7 +194,7 @@ def build(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else key
-        if hints[key] is ModelConfig:
+        if cls is TrainConfig and key == "model":
             kwargs[key] = _model_from_dict(value, dotted)
         elif dataclasses.is_dataclass(hints[key]):
             kwargs[key] = build(hints[key], value, dotted)

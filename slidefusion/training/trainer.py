@@ -1,4 +1,7 @@
-"""The training loop: data -> text + autoencoder -> rectified-flow loss -> optimizer -> checkpoints.
+"""The training loop: a task's loss (data, text, latents, model) -> optimizer -> checkpoints.
+
+The task (`training.task`) is one of our presets or a diffusers folder's transformer; the loop,
+checkpoints, resume, EMA, NaN stops and the run folder's lock are the same for both.
 
 Every step's randomness (which clips, which captions are dropped, noise, timesteps) comes from a
 generator seeded by (run seed, step), so a run resumed from a checkpoint repeats exactly the loss
@@ -15,55 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from slidefusion import memory, validate
-from slidefusion.data import build_dataset
-from slidefusion.diffusion import flow_loss
+from slidefusion import validate
 from slidefusion.errors import NonFiniteError, UserError
-from slidefusion.models import build_model
-from slidefusion.offload.training import offload_optimizer
-from slidefusion.text import CaptionCache, build_text_encoder
 from slidefusion.training import optimizer_state
 from slidefusion.training.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, load_matching, save_checkpoint
 from slidefusion.training.config import OptimConfig, TrainConfig, build
 from slidefusion.training.run_folder import RunLock, remove_stale_temporaries, truncate_metrics
-from slidefusion.vae import build_autoencoder
-
-
-class ResidentOptimizer:
-    """AdamW on a model that lives on one device; `train_step(loss_fn)` does one whole update."""
-
-    def __init__(self, model: nn.Module, optim: OptimConfig):
-        self.model = model
-        self.max_grad_norm = optim.max_grad_norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                           weight_decay=optim.weight_decay)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def train_step(self, loss_fn) -> float:
-        """Forward + backward of `loss_fn(model)`, optional clipping, one AdamW step; the loss."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model)
-        loss.backward()
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        return loss.item()
-
-    def model_state_dict(self) -> dict:
-        """The weights being trained (an offload engine returns its fp32 master copy here)."""
-        return self.model.state_dict()
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+from slidefusion.training.task import OwnModelTask, ResidentOptimizer  # noqa: F401  (ResidentOptimizer: re-exported)
 
 
 class EMA:
@@ -107,32 +70,23 @@ class Trainer:
         validate.output_path(config.run.output_dir, "run.output_dir", folder=True)  # before any work
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
-        data = config.data
-        options = dict(kind=data.kind, frames=data.frames, height=data.height, width=data.width)
-        if data.kind == "shapes":
-            options.update(num_samples=data.num_samples, seed=data.seed, max_objects=data.max_objects)
-        else:
-            options.update(root=data.root, stride=data.stride)
-        self.autoencoder = build_autoencoder(config.autoencoder).to(self.device)
-        latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
-        if latent[0] != config.model.in_channels:
-            raise UserError(f"model.in_channels={config.model.in_channels} must equal the autoencoder's latent channels {latent[0]}")
-        offload = config.offload.enabled  # the engine places the weights itself (and checks their fit)
-        parts = memory.training_parts(config.model, latent, (data.frames, data.height, data.width),
-                                      config.run.batch_size, ema=config.optim.ema_decay is not None, offload=offload)
-        memory.check_fits(parts, self.device, "a training step", "lower run.batch_size, data.frames, data.height "
-                          "or data.width, or choose a smaller model" + ("" if offload else ", or train with --offload"))
-        self.dataset = build_dataset(**options)
-        encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
-        self.captions = CaptionCache(encoder, self.run_dir / "captions.safetensors")
-        torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
-        self.model = build_model(config.model, "cpu" if offload else self.device)
-        grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        self.optimizer = offload_optimizer(self.model, config, math.prod(grid)) if offload else ResidentOptimizer(self.model, config.optim)
-        self.ema = EMA(self.model.state_dict(), config.optim.ema_decay) if config.optim.ema_decay else None
+        self.task = build_task(config, self.device, self.run_dir, quiet)
+        self.model = self.optimizer = self.ema = None
+        if not getattr(self.task, "lazy", False):
+            self.prepare()
         self.step = 0
         self._lock: RunLock | None = None
         self._continues = False  # True once this trainer resumed the run, or wrote into its folder
+
+    def prepare(self) -> None:
+        """Build what the task defers until the run is known to go ahead (a diffusers folder's caches
+        and weights: after `resume` checked its checkpoint, or when training starts), once."""
+        if self.model is not None:
+            return
+        self.task.prepare()
+        self.model, self.optimizer = self.task.model, self.task.optimizer
+        decay = self.config.optim.ema_decay
+        self.ema = EMA(self._weights(), decay) if decay else None
 
     # -- the run folder ---------------------------------------------------------------------------
 
@@ -185,13 +139,14 @@ class Trainer:
             saved = build(TrainConfig, ckpt.config)
         except UserError as error:
             raise UserError(f"--resume {ckpt.path}: its config.json is invalid: {error}") from None
-        if saved.model != self.config.model:
+        if saved.model != self.config.model or saved.lora != self.config.lora:
             raise UserError(f"--resume {ckpt.path}: its model config differs from this run's; use --init-from to adapt weights")
         bad = first_nonfinite(ckpt.model)
         if bad is not None:
             raise UserError(f"--resume {ckpt.path}: weight {bad} holds NaN or infinity; resume from an earlier checkpoint")
         self._warn_changed(saved, ckpt.path)
-        self.model.load_state_dict(ckpt.model)
+        self.prepare()
+        self.task.load_weights(ckpt.model, ckpt.path)
         try:
             self.optimizer.load_state_dict(self._optimizer_state(ckpt))
         except (KeyError, ValueError, RuntimeError) as error:
@@ -237,35 +192,21 @@ class Trainer:
         bad = first_nonfinite(ckpt.sampling_weights)
         if bad is not None:
             raise UserError(f"--init-from {ckpt.path}: weight {bad} holds NaN or infinity; use another checkpoint")
+        self.prepare()
         loaded, skipped = load_matching(self.model, ckpt.sampling_weights)
         if self.ema is not None:
-            self.ema = EMA(self.model.state_dict(), self.ema.decay)
+            self.ema = EMA(self._weights(), self.ema.decay)
         return loaded, skipped
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-        """A batch of clips (B, 3, T, H, W) and captions, some dropped to "" for CFG."""
-        size = self.config.run.batch_size
-        indices = torch.randint(len(self.dataset), (size,), generator=generator).tolist()
-        items = [self.dataset[i] for i in indices]
-        drop = torch.rand(size, generator=generator) < self.config.diffusion.caption_dropout
-        captions = ["" if d else item["caption"] for d, item in zip(drop.tolist(), items)]
-        return torch.stack([item["video"] for item in items]), captions
-
     def loss_fn(self, generator: torch.Generator):
         """The step's loss as a function of the model, as the optimizer seam wants it."""
-        video, captions = self.batch(generator)
-        with torch.no_grad():
-            latents = self.autoencoder.encode(video.to(self.device))
-        states, mask = self.captions.get(captions)
-        states, mask = states.to(self.device), mask.to(self.device)
+        return self.task.loss_fn(generator)
 
-        def loss(model: nn.Module) -> torch.Tensor:
-            velocity = lambda x, t: model(x, t, states, mask)  # noqa: E731
-            return flow_loss(velocity, latents, self.config.diffusion, generator)
-
-        return loss
+    def _weights(self) -> dict:
+        """The weights a checkpoint holds (every weight, or LoRA's adapters only), from the optimizer."""
+        return self.task.weights(self.optimizer.model_state_dict())
 
     def check_finite(self, loss: float, lr: float) -> None:
         """Stop (NonFiniteError) if the step just run gave a non-finite loss or left non-finite
@@ -285,14 +226,14 @@ class Trainer:
                                  f"{loss:.4g} was finite (the gradients or the update overflowed); {advice}")
 
     def save(self) -> Path:
-        weights = self.optimizer.model_state_dict()
+        weights = self._weights()
         bad = first_nonfinite(weights)
         if bad is not None:  # check_finite stops the loop first; this guards direct callers
             raise NonFiniteError(f"weight {bad} holds NaN or infinity at step {self.step}; no checkpoint was written")
         state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state()}
         path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights,
                                None if self.ema is None else self.ema.shadow, state, self.config.run.keep_last)
-        self.captions.save()
+        self.task.after_save()
         return path
 
     def train(self, until: int | None = None) -> TrainResult:
@@ -301,6 +242,7 @@ class Trainer:
         result = TrainResult(self.run_dir)
         with self.lock():
             self._claim_folder()
+            self.prepare()
             writer = _tensorboard(self.run_dir) if run.tensorboard else None
             start = time.perf_counter()
             bar = tqdm(total=until, initial=self.step, desc=run.name, disable=self.quiet, dynamic_ncols=True)
@@ -313,7 +255,7 @@ class Trainer:
                         loss = self.optimizer.train_step(self.loss_fn(step_generator(run.seed, self.step)))
                         self.check_finite(loss, lr)
                         if self.ema is not None:
-                            self.ema.update(self.optimizer.model_state_dict(), self.step)
+                            self.ema.update(self._weights(), self.step)
                         self.step += 1
                         result.losses.append(loss)
                         bar.update(1)
@@ -338,6 +280,15 @@ class Trainer:
             writer.add_scalar("train/lr", lr, self.step)
         if not self.quiet:
             tqdm.write(f"step {self.step}/{self.config.run.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
+
+
+def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False):
+    """The task of a config: a diffusers folder's transformer (`model.pretrained`) or one of our presets."""
+    if config.pretrained:
+        from slidefusion.training.finetune.task import FolderTask
+
+        return FolderTask(config, device, run_dir, quiet)
+    return OwnModelTask(config, device, run_dir, quiet)
 
 
 def _tensorboard(run_dir: Path):

@@ -37,6 +37,7 @@ BAD = {
     "video_out": ["{cwd}/v.avi", "", "{folder}", "/proc/nope/v.gif", "{file}/v.gif"],
     "json_out": ["{cwd}/x.txt", "", "{folder_json}", "/proc/nope/x.json", "{file}/x.json"],
     "text": ["", "   "],
+    "folder_in": ["{cwd}/nowhere", "{file}"],
 }
 
 # A valid invocation per command; a FLAGS row appends `--flag=BAD` to it (argparse: the last wins).
@@ -50,6 +51,10 @@ BASE = {
     "train": "train {tiny} run.steps=1 run.output_dir={cwd}/runs --quiet",
     "export": "export --checkpoint {ckpt} --out {cwd}/exported",
 }
+# A valid fine-tune of the tiny Wan folder (`{ft} key=BAD`) and a valid sampling of it (`{genp} --flag BAD`).
+FINETUNE = ("train {wan_config} model.pretrained={wan} data.kind=shapes data.num_samples=1 data.frames=5 data.height=48 "
+            "data.width=80 run.device=cpu run.steps=1 run.batch_size=1 run.output_dir={cwd}/runs --quiet")
+GENERATE_PRETRAINED = "generate --pretrained {wan} --prompt x --steps 1 --frames 5 --height 48 --width 80 --out {cwd}/v.gif --quiet"
 
 FLAGS = [  # (command, flag, kind of its values)
     *[("generate", f, "positive_int") for f in ("--frames", "--height", "--width")],
@@ -68,6 +73,7 @@ FLAGS = [  # (command, flag, kind of its values)
     ("evaluate", "--steps", "steps"), ("evaluate", "--guidance", "guidance"), ("evaluate", "--seed", "seed"),
     ("evaluate", "--device", "device"), ("evaluate", "--json", "json_out"),
     ("train", "--device", "device"),
+    ("generate", "--pretrained", "folder_in"), ("export", "--max-shard-size", "size"),
 ]
 
 # Config keys and wrong values for them (`train BASE key=value`); the error names the key.
@@ -95,6 +101,8 @@ KEYS = [
     ("model.attention_options", ["'{{window: .nan}}'", "[1]"]),
     ("model", ["dit3d-tiny", "[1, 2]", "5"]), ("model.preset", ["[1]"]),
     ("offload.compute_dtype", ["fp8"]), ("offload.prefetch", ["-1"]),
+    ("lora.rank", ["0", "-1", "abc", "1.5", "true", "4"]), ("lora.alpha", ["0", "-1", ".nan"]),
+    ("lora.target_modules", ["[]", "5", "['']"]), ("data.cache_dir", ["[1]"]),
 ]
 
 # Hand-written invocations: (argv, text the one error line must contain).
@@ -155,6 +163,36 @@ CASES = [
     ("{gen} --model dit3d-105b", "needs about"), ("{gen} --height 5", "height=5"),
     ("{gen} --parallel bogus", "--parallel"), ("{gen} --slices 0", "--slices"), ("{gen} --slices abc", "--slices"),
     ("{gen} --slices 65", "--slices"),
+    # generate --pretrained: a diffusers folder sampled with its own scheduler
+    ("{genp} --frames 6", "frames=6 is not allowed by this VAE; valid: 1 + 4k"),
+    ("{genp} --height 44", "multiples of the VAE's 8-pixel latent cell"), ("{genp} --width 70", "multiples of the VAE"),
+    ("generate --pretrained {wan} --prompt x --out {cwd}/v.gif", "--pretrained needs --frames, --height, --width"),
+    ("{genp} --checkpoint {ckpt}", "--pretrained brings its own model"),
+    ("{genp} --init random --model stdit-tiny", "--pretrained brings its own model"),
+    ("{genp} --pretrained {folder}", "is not a diffusers model folder"),
+    ("{genp} --pretrained {unsupported}", "supported: WanTransformer3DModel, CogVideoXTransformer3DModel"),
+    ("{genp} --pretrained {missing_shard}", "missing weights shard"),
+    ("{genp} --pretrained {bare}", "bare transformer folder"),
+    ("{genp} --parallel ulysses", "--parallel needs a launcher"),
+    # train model.pretrained=DIR: the folder, LoRA, the VAE's frame rule; nothing written on the way out
+    ("{ft} model.pretrained={folder}", "is not a diffusers model folder"),
+    ("{ft} model.pretrained={cwd}/nowhere", "is not a directory"),
+    ("{ft} model.pretrained=''", "model.pretrained=None must be a str"), ("{ft} 'model.pretrained=\" \"'", "must name a local"),
+    ("{ft} model.pretrained={unsupported}", "supported: WanTransformer3DModel, CogVideoXTransformer3DModel"),
+    ("{ft} model.pretrained={missing_shard}", "missing weights shard"),
+    ("{ft} model.pretrained={bare}", "bare transformer folder"),
+    ("{ft} model.preset=dit3d-tiny", "model.preset cannot be combined with model.pretrained"),
+    ("{ft} model.expert=transformer_2", "model.expert=transformer_2 is not in"),
+    ("{ft} model.expert=bogus", "model.expert='bogus' is unknown"),
+    ("{ft} data.frames=6", "data.frames/height/width: frames=6 is not allowed by this VAE; valid: 1 + 4k"),
+    ("{ft} data.height=44", "data.frames/height/width"),
+    ("{ft} lora.rank=0", "lora.rank=0 must be a positive int"),
+    ("{ft} lora.rank=4 lora.target_modules=[bogus]", "lora.target_modules: 'bogus' matches no Linear module"),
+    ("{ft} --resume {ckpt}", "model config differs"),
+    # export --format diffusers
+    ("export --checkpoint {ckpt} --out {cwd}/e --format diffusers", "needs a checkpoint of a diffusers fine-tune"),
+    ("export --checkpoint {ckpt} --out {cwd}/e --format bogus", "--format"),
+    ("export --checkpoint {ckpt} --out {cwd}/e --max-shard-size 5GB", "--max-shard-size applies to --format diffusers"),
     # demo
     ("demo --out /proc/nope/demo.mp4", "--out"), ("demo --out {folder}", "--out"), ("demo --out ''", "--out"),
     # export: never over anything, never into or around its source
@@ -204,7 +242,7 @@ def _table() -> list[tuple[str, str]]:
             for cmd, flag, kind in FLAGS for value in BAD[kind]]
     rows += [(f"{BASE['train']} {key}={shlex.quote(value) if '{' not in value else value}", key)
              for key, values in KEYS for value in values]
-    aliases = {"{gen}": BASE["generate"], "{plan}": BASE["plan"]}
+    aliases = {"{gen}": BASE["generate"], "{plan}": BASE["plan"], "{genp}": GENERATE_PRETRAINED, "{ft}": FINETUNE}
     for argv, needle in CASES:
         for alias, text in aliases.items():
             argv = argv.replace(alias, text)
@@ -230,6 +268,22 @@ def _scale_weights(folder: Path, factor: float) -> None:
     for name in ("model.safetensors", "ema.safetensors"):
         weights = load_file(folder / name)
         save_file({k: v * factor for k, v in weights.items()}, folder / name)
+
+
+def _diffusers_folders(root: Path) -> dict[str, Path]:
+    """A tiny Wan pipeline folder, and broken ones: a class we do not support, a missing shard, a bare
+    transformer folder (no text encoder or VAE)."""
+    from slidefusion.testing.tiny import save_tiny_transformer, save_tiny_wan_pipeline
+
+    wan = save_tiny_wan_pipeline(root / "wan")
+    unsupported = root / "unsupported"
+    shutil.copytree(wan, unsupported)
+    config = json.loads((unsupported / "transformer" / "config.json").read_text())
+    (unsupported / "transformer" / "config.json").write_text(json.dumps({**config, "_class_name": "FluxTransformer2DModel"}))
+    missing = save_tiny_wan_pipeline(root / "missing-shard", max_shard_size="10KB")
+    next(iter(sorted((missing / "transformer").glob("*-of-*.safetensors")))).unlink()
+    return {"wan": wan, "unsupported": unsupported, "missing_shard": missing, "bare": save_tiny_transformer(root / "bare"),
+            "wan_config": REPO / "configs" / "wan-finetune.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +328,7 @@ def world(tmp_path_factory):
     for name, text in texts.items():
         paths[name] = root / f"{name}.{name.split('_')[-1].replace('prompts', 'txt')}"
         paths[name].write_text(text)
+    paths.update(_diffusers_folders(root))
     paths["binary_yaml"] = root / "binary.yaml"
     paths["binary_yaml"].write_bytes(bytes(range(128, 256)))
     paths["cwd"] = root / "cwd"

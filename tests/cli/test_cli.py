@@ -77,7 +77,7 @@ def test_unreadable_video_in_a_folder_dataset_exits_2(tmp_path, capsys):
 
 
 def test_sampling_that_produces_nan_stops_with_exit_3_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    import slidefusion.pipeline as pipeline
+    import slidefusion.pipeline.ours as pipeline
 
     monkeypatch.setattr(pipeline, "sample", lambda *args, **kwargs: torch.full((1, 3, 1, 4, 4), float("nan")))
     out = tmp_path / "v.gif"

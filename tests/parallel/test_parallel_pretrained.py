@@ -58,26 +58,35 @@ def test_a_model_without_a_plan_names_the_supported_ones(tmp_path):
         check_fit(build_on_meta(folder), ParallelConfig("ulysses"), 2)
 
 
+ARGS = ["--prompt", "a red circle moving left", "--frames", "5", "--height", "48", "--width", "80", "--steps", "2",
+        "--guidance", "4", "--seed", "3", "--quiet"]
+
+
 def _torchrun(folder, out, schedule, slices):
+    """The real CLI under torchrun: `generate --pretrained DIR --parallel SCHEDULE`."""
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from slidefusion.parallel.launch import free_port
 
-    script = Path(__file__).with_name("pretrained_torchrun_main.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(script), str(folder), str(out), schedule, str(slices)]
+           "-m", "slidefusion", "generate", "--pretrained", str(folder), *ARGS, "--out", f"{out}/v.gif",
+           "--save-latents", f"{out}/l.safetensors", "--parallel", schedule, "--slices", str(slices), "--timeout", "120"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_torchrun_on_a_folder_equals_one_process(tiny_wan_dir, tmp_path):
+    from slidefusion.cli import main
+
     result = _torchrun(tiny_wan_dir, tmp_path, "ulysses", 2)
     assert result.returncode == 0, "\n".join(l for l in result.stderr.splitlines() if "rror" in l)
-    single = sample_latents(PretrainedParts.load(tiny_wan_dir), Request("a red circle moving left", **REQUEST))
-    assert (load_file(tmp_path / "l.safetensors")["latents"] - single).abs().max() <= 1e-5
+    single = tmp_path / "single"
+    assert main(["generate", "--pretrained", str(tiny_wan_dir), *ARGS, "--out", str(single / "v.gif"),
+                 "--save-latents", str(single / "l.safetensors")]) == 0
+    parallel, alone = load_file(tmp_path / "l.safetensors")["latents"], load_file(single / "l.safetensors")["latents"]
+    assert alone.abs().max() > 0.5 and (parallel - alone).abs().max() <= 1e-5
     assert (tmp_path / "v.gif").stat().st_size > 0 and "exposed communication" in result.stdout
     bad = _torchrun(tiny_wan_dir, tmp_path / "bad", "dsp", 1)  # before any process group: rank 0 says it, once
-    assert bad.returncode != 0 and bad.stderr.count("slidefusion: error:") == 1
+    assert bad.returncode != 0 and bad.stderr.count("slidefusion generate: error:") == 1
     assert "valid for wan: ulysses" in bad.stderr and not (tmp_path / "bad").exists()

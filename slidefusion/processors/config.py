@@ -14,6 +14,7 @@ resident model, so resident and offloaded runs start equal.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from slidefusion.attention import OffsetNet
 from slidefusion.errors import UserError, check
 from slidefusion.processors.processor import OFFSETS_ATTR
+from slidefusion.processors.records import SlideOptions
 from slidefusion.processors.swap import SlideAttentionHandle, slide_attention_handle, use_slide_attention
 
 PRETRAINED_ATTENTION = ("dense", "neighborhood", "slide")
@@ -30,22 +32,42 @@ _OPTIONS = {"kernel_size": "kernel_size", "offset_mode": "offsets", "max_offset"
             "temporal": "temporal", "backend": "backend"}
 
 
-def use_configured_attention(transformer: nn.Module, attention: str, options: Mapping | None = None,
-                             ) -> SlideAttentionHandle | None:
-    """Swap `transformer`'s attention as `model.attention` / `model.attention_options` say; None for dense."""
+def configured_options(attention: str, options: Mapping | None = None) -> SlideOptions | None:
+    """`model.attention` / `model.attention_options` of a pretrained model, validated: the
+    `SlideOptions` they name, or None for dense. UserError (one line, naming the key) otherwise."""
     options = dict(options or {})
     check(attention in PRETRAINED_ATTENTION, f"model.attention={attention!r} is not available for a pretrained "
                                              f"model; valid: {', '.join(PRETRAINED_ATTENTION)}")
     if attention == "dense":
         check(not options, f"model.attention_options {sorted(options)} need model.attention=slide or neighborhood")
         return None
-    unknown = sorted(set(options) - set(_OPTIONS) - ({"offset_mode"} if attention == "neighborhood" else set()))
+    unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise UserError(f"model.attention_options has no {unknown[0]!r} for model.attention={attention}; "
                         f"valid: {', '.join(_OPTIONS)}")
     kwargs = {_OPTIONS[k]: v for k, v in options.items()}
-    kwargs["offsets"] = None if attention == "neighborhood" else kwargs.get("offsets", "sample")
-    return use_slide_attention(transformer, **kwargs)
+    if attention == "neighborhood":
+        check(kwargs.get("offsets") is None, "model.attention=neighborhood has no offsets; drop "
+                                             "model.attention_options.offset_mode or use model.attention=slide")
+        kwargs["offsets"] = None
+    try:
+        return SlideOptions(**kwargs)
+    except UserError as error:
+        raise UserError(f"model.attention_options: {error}") from None
+
+
+def use_configured_attention(transformer: nn.Module, attention: str, options: Mapping | None = None,
+                             ) -> SlideAttentionHandle | None:
+    """Swap `transformer`'s attention as `model.attention` / `model.attention_options` say; None for dense."""
+    chosen = configured_options(attention, options)
+    if chosen is None:
+        return None
+    return use_slide_attention(transformer, **dataclasses.asdict(chosen))
+
+
+def is_offset_weight(name: str) -> bool:
+    """A state-dict name of an offset network `use_slide_attention` added to a diffusers model."""
+    return f".{OFFSETS_ATTR}." in name
 
 
 def slide_offset_weights(transformer: nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@
 --offload. The slide model starts where the dense one is: with a window covering the grid its
 prediction equals the dense checkpoint's."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -126,3 +128,78 @@ def test_configured_attention_names_and_options():
                                         ("slide", {"kernel_size": [4, 3, 3]}, "kernel_size must be odd")]:
         with pytest.raises(UserError, match=message):
             use_configured_attention(model, attention, options)
+
+
+# ---------------------------------------------------------------- train model.pretrained=DIR model.attention=slide
+def _finetune(folder, out, name, *extra):
+    """`slidefusion train` of the tiny Wan folder (token grid 2 x 3 x 5) adapted to slide attention;
+    (logged losses, last checkpoint's weights, stdout)."""
+    from slidefusion.testing.pipelines import PIXELS
+
+    frames, height, width = PIXELS["wan"]
+    code = main(["train", "configs/wan-finetune.yaml", f"model.pretrained={folder}", "model.attention=slide",
+                 "data.kind=shapes", "data.num_samples=3", f"data.frames={frames}", f"data.height={height}",
+                 f"data.width={width}", "run.device=cpu", "run.batch_size=2", "run.log_every=1", "run.save_every=1",
+                 f"run.output_dir={out}", f"run.name={name}", "optim.lr=1e-3", "optim.warmup_steps=0",
+                 "offload.compute_dtype=float32", *extra])
+    assert code == 0
+    losses = [json.loads(line)["loss"] for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    last = max((out / name).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return losses, load_file(last / "model.safetensors"), last
+
+
+@pytest.mark.parametrize("lora", [[], ["lora.rank=4"]], ids=["full", "lora"])
+def test_a_wan_folder_adapts_to_slide_attention_offloaded_as_resident(tiny_wan_dir, tmp_path, lora):
+    window = ["model.attention_options={kernel_size: [1, 3, 3], offset_mode: shift}", "run.steps=3", "--quiet", *lora]
+    resident = _finetune(tiny_wan_dir, tmp_path, "resident", *window)
+    offloaded = _finetune(tiny_wan_dir, tmp_path, "offloaded", "--offload", *window)
+    torch.testing.assert_close(offloaded[0], resident[0], rtol=1e-5, atol=0)
+    assert resident[1].keys() == offloaded[1].keys()
+    offsets = [k for k in resident[1] if ".slide_offsets." in k]
+    assert len(offsets) == 8  # 2 blocks x (conv weight, bias, linear weight, bias)
+    if lora:  # the checkpoint: LoRA's adapters and the offset networks, which train although the base is frozen
+        assert all(".lora_" in k or ".slide_offsets." in k for k in resident[1])
+    for name, value in resident[1].items():
+        # offloaded = resident up to the engine's summation order (see tests/training/test_finetune.py)
+        assert (offloaded[1][name] - value).abs().max() <= 6e-3 + 1e-5 * value.abs().max(), name
+    for weights in (resident[1], offloaded[1]):  # the offsets' last layer starts at zero and moved
+        assert all(weights[k].abs().max() > 1e-4 for k in offsets if "offset_linear" in k)
+
+
+def test_step_0_of_an_adapted_run_is_the_dense_model_when_the_window_covers_the_grid(tiny_wan_dir, tmp_path, capsys):
+    from slidefusion.testing.pipelines import PIXELS
+
+    frames, height, width = PIXELS["wan"]
+    dense = ["train", "configs/wan-finetune.yaml", f"model.pretrained={tiny_wan_dir}", "data.kind=shapes",
+             "data.num_samples=3", f"data.frames={frames}", f"data.height={height}", f"data.width={width}",
+             "run.device=cpu", "run.batch_size=2", "run.steps=1", f"run.output_dir={tmp_path}", "run.name=dense",
+             "--quiet"]
+    assert main(dense) == 0
+    expected = json.loads((tmp_path / "dense" / "metrics.jsonl").read_text())["loss"]
+    capsys.readouterr()
+    cover = ["model.attention_options={kernel_size: [3, 3, 7]}", "run.steps=1"]  # grid 2 x 3 x 5: wider along T, W
+    for name, extra in (("resident", []), ("offloaded", ["--offload", "offload.compute_dtype=float32"])):
+        losses = _finetune(tiny_wan_dir, tmp_path, name, *cover, *extra)[0]
+        assert losses[0] == pytest.approx(expected, rel=1e-5, abs=0)
+        out = capsys.readouterr().out
+        assert ("model.attention_options.kernel_size [3, 3, 7] is wider than the token grid [2, 3, 5] along T, W: "
+                "slide attention attends those axes whole") in out
+
+
+def test_a_slide_adapted_run_samples_as_trained_and_is_not_exported_as_a_stock_folder(tiny_wan_dir, tmp_path, capsys):
+    from slidefusion.pipeline import VideoPipeline
+    from slidefusion.processors import slide_attention_handle
+
+    _, weights, checkpoint = _finetune(tiny_wan_dir, tmp_path, "slide", "run.steps=1", "--quiet",
+                                       "model.attention_options={kernel_size: [1, 3, 3]}")
+    pipe = VideoPipeline.from_checkpoint(checkpoint)
+    model = pipe.parts.transformer
+    assert slide_attention_handle(model).options.kernel_size == (1, 3, 3)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items() if ".slide_offsets." in k)
+    capsys.readouterr()
+    out = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(checkpoint), "--out", str(out), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--format diffusers cannot hold slide attention" in err, err
+    assert not out.exists()

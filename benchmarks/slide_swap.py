@@ -5,10 +5,13 @@
    the largest |stock|; and with a (1, 3, 3) window, to show the swapped path runs.
 2. Speed (--timing): forward of a Wan-shaped transformer (--layers, --heads x 128) at --grid
    tokens, stock (SDPA) against swapped (slide, --kernel, offsets="sample"/"shift"/None),
-   alternating rounds after a warm-up, medians. Shared machines: quote ratios.
+   alternating rounds after a warm-up, medians. Shared machines: quote ratios, and prefer
+   `--clock cpu` with one thread (the process's CPU time, which other jobs' load leaves far less
+   noisy than wall time; with several threads it would count OpenMP's spinning too).
 
     OMP_NUM_THREADS=2 python benchmarks/slide_swap.py                       # equality table, ~1 min
     OMP_NUM_THREADS=2 python benchmarks/slide_swap.py --timing --grid 8x32x32
+    OMP_NUM_THREADS=1 python benchmarks/slide_swap.py --timing --grid 8x32x32 --clock cpu
 """
 
 import argparse
@@ -59,11 +62,13 @@ def timing(args) -> None:
     text = tiny_text(model, 1, 16)
     step = torch.tensor([500.0])
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
     def run():
-        start = time.perf_counter()
+        start = clock()
         with torch.no_grad():
             adapter.predict(model, x, step, text)
-        return time.perf_counter() - start
+        return clock() - start
 
     variants = {"stock": None, **{f"slide-{o or 'none'}": o for o in ("sample", "shift", None)}}
     times = {name: [] for name in variants}
@@ -77,7 +82,7 @@ def timing(args) -> None:
                 times[name].append(elapsed)
     stock = statistics.median(times["stock"])
     print(f"Wan-shaped, {args.layers} layers, {args.heads}x128 heads, grid {args.grid} ({t * h * w} tokens), "
-          f"window {args.kernel}, {torch.get_num_threads()} threads, median of {args.repeats}")
+          f"window {args.kernel}, {torch.get_num_threads()} threads, {args.clock} time, median of {args.repeats}")
     for name, values in times.items():
         median = statistics.median(values)
         print(f"  {name:<14}{median * 1e3:>10.1f} ms   {median / stock:>6.2f}x stock")
@@ -91,6 +96,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--kernel", type=int, nargs=3, default=(3, 7, 7))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: perf_counter; cpu: the process's CPU time (use with OMP_NUM_THREADS=1)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="In CPU autocast")
     if args.timing:

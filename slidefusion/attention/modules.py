@@ -154,7 +154,10 @@ class _OffsetLayers:
         """Queries (B, T, H, W, heads, D) -> offsets (B, T, H, W, heads, K or 1, 3) in tokens for
         `kernel`, the window the op uses (`kernel_size` clamped to the grid)."""
         B, T, H, W, heads, D = q.shape
-        x = q.reshape(B, T, H, W, heads * D).permute(0, 4, 1, 2, 3)  # (B, C, T, H, W)
+        # Contiguous (B, C, T, H, W): with the channels-last strides the permute leaves, CPU torch
+        # 2.13's depthwise Conv3d backward sometimes returns a garbage weight gradient (1e18 or
+        # NaN where the exact one is 1e-5; seen in bf16 under the offload engine's recompute).
+        x = q.reshape(B, T, H, W, heads * D).permute(0, 4, 1, 2, 3).contiguous()  # (B, C, T, H, W)
         x = F.gelu(self.offset_conv(x)).permute(0, 2, 3, 4, 1)  # (B, T, H, W, C)
         off = self.max_offset * torch.tanh(self.offset_linear(x))  # (B, T, H, W, heads*slots*3)
         if self.slots == 1:

@@ -203,3 +203,13 @@ def test_a_slide_adapted_run_samples_as_trained_and_is_not_exported_as_a_stock_f
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--format diffusers cannot hold slide attention" in err, err
     assert not out.exists()
+
+
+def test_a_bf16_offloaded_lora_adaptation_keeps_finite_offset_gradients(tiny_wan_dir, tmp_path):
+    # The README's command: bf16 compute, clipping, LoRA. Before the offset net's conv input was made
+    # contiguous, torch's CPU depthwise Conv3d backward sometimes gave its weight a garbage gradient
+    # under the engine's recompute (about half of such runs on a loaded machine stopped at step 1).
+    losses, weights, _ = _finetune(tiny_wan_dir, tmp_path, "bf16", "--offload", "offload.compute_dtype=bfloat16",
+                                   "lora.rank=4", "run.steps=2", "--quiet",
+                                   "model.attention_options={kernel_size: [1, 3, 3]}")
+    assert len(losses) == 2 and all(torch.isfinite(v).all() for v in weights.values())

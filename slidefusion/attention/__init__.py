@@ -16,6 +16,7 @@ from slidefusion.attention.modules import (
     DenseAttention3d,
     GridAttention,
     NeighborhoodAttention3d,
+    OffsetNet,
     SlideAttention3d,
     WindowAttention3d,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "DenseAttention3d",
     "GridAttention",
     "NeighborhoodAttention3d",
+    "OffsetNet",
     "SlideAttention3d",
     "WindowAttention3d",
     "available_attention",

@@ -154,8 +154,8 @@ class NeighborhoodAttention3d(GridAttention):
 OFFSET_MODES = ("sample", "shift")
 
 
-class SlideAttention3d(GridAttention):
-    """3D deformable slide attention: a neighbourhood window whose sample points move by learned offsets.
+class _OffsetLayers:
+    """The learned offsets of slide attention, shared by `SlideAttention3d` and `OffsetNet`.
 
     The offset network reads the queries: a depthwise 3x3x3 Conv3d (local motion context), GELU,
     and a Linear to `heads * K * 3` offsets (offset_mode="sample", one per window slot, the paper's
@@ -164,6 +164,62 @@ class SlideAttention3d(GridAttention):
     offsets are bounded to +-max_offset tokens by a tanh; below 1 the kernels' halo grows by only
     one token per side.
     """
+
+    def _build_offset_layers(self, dim: int, heads: int, kernel_size, offset_mode: str, max_offset: float) -> None:
+        self.kernel_size = check_kernel_size(kernel_size)
+        check(offset_mode in OFFSET_MODES,
+              f"offset_mode={offset_mode!r} is unknown; valid: {', '.join(OFFSET_MODES)}")
+        check(
+            isinstance(max_offset, (int, float)) and not isinstance(max_offset, bool) and max_offset > 0,
+            f"max_offset={max_offset!r} must be a number > 0 (tokens)",
+        )
+        self.offset_mode, self.max_offset, self.offset_heads = offset_mode, float(max_offset), heads
+        kt, kh, kw = self.kernel_size
+        self.slots = kt * kh * kw if offset_mode == "sample" else 1
+        self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)
+        self.offset_linear = nn.Linear(dim, heads * self.slots * 3)
+        nn.init.zeros_(self.offset_linear.weight)
+        nn.init.zeros_(self.offset_linear.bias)
+
+    def offsets(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
+        """Queries (B, T, H, W, heads, D) -> offsets (B, T, H, W, heads, K or 1, 3) in tokens for
+        `kernel`, the window the op uses (`kernel_size` clamped to the grid)."""
+        B, T, H, W, heads, D = q.shape
+        # Contiguous (B, C, T, H, W): with the channels-last strides the permute leaves, CPU torch
+        # 2.13's depthwise Conv3d backward sometimes returns a garbage weight gradient (1e18 or
+        # NaN where the exact one is 1e-5; seen in bf16 under the offload engine's recompute).
+        x = q.reshape(B, T, H, W, heads * D).permute(0, 4, 1, 2, 3).contiguous()  # (B, C, T, H, W)
+        x = F.gelu(self.offset_conv(x)).permute(0, 2, 3, 4, 1)  # (B, T, H, W, C)
+        off = self.max_offset * torch.tanh(self.offset_linear(x))  # (B, T, H, W, heads*slots*3)
+        if self.slots == 1:
+            return off.view(B, T, H, W, heads, 1, 3)
+        # A window clamped to a small grid keeps the offsets of its centre slots.
+        off = off.view(B, T, H, W, heads, *self.kernel_size, 3)
+        for axis, (k_full, k) in enumerate(zip(self.kernel_size, kernel)):
+            off = off.narrow(5 + axis, (k_full - k) // 2, k)
+        return off.reshape(B, T, H, W, heads, -1, 3)
+
+
+class OffsetNet(_OffsetLayers, nn.Module):
+    """The offset network of slide attention on its own, for attention modules we do not own
+    (diffusers' processors, see `slidefusion.processors`). `forward(q, kernel)` = `offsets`."""
+
+    def __init__(self, dim: int, heads: int, kernel_size: Sequence[int] = (3, 7, 7), offset_mode: str = "sample",
+                 max_offset: float = 0.9):
+        super().__init__()
+        check(dim % heads == 0, f"dim={dim} must be divisible by heads={heads}")
+        self._build_offset_layers(dim, heads, kernel_size, offset_mode, max_offset)
+
+    def forward(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
+        return self.offsets(q, kernel)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, offset_mode={self.offset_mode!r}, max_offset={self.max_offset}"
+
+
+class SlideAttention3d(_OffsetLayers, GridAttention):
+    """3D deformable slide attention: a neighbourhood window whose sample points move by learned
+    offsets (see `_OffsetLayers` for the offset network and its zero start)."""
 
     def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
         radius = self.offset_conv.kernel_size[0] // 2  # the offset network's reach along time
@@ -179,33 +235,7 @@ class SlideAttention3d(GridAttention):
         qkv_bias: bool = True,
     ):
         super().__init__(dim, heads, qkv_bias)
-        self.kernel_size = check_kernel_size(kernel_size)
-        check(offset_mode in OFFSET_MODES, f"offset_mode={offset_mode!r} is unknown; valid: {', '.join(OFFSET_MODES)}")
-        check(
-            isinstance(max_offset, (int, float)) and max_offset > 0,
-            f"max_offset={max_offset!r} must be a number > 0 (tokens)",
-        )
-        self.offset_mode, self.max_offset = offset_mode, float(max_offset)
-        kt, kh, kw = self.kernel_size
-        self.slots = kt * kh * kw if offset_mode == "sample" else 1
-        self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)
-        self.offset_linear = nn.Linear(dim, heads * self.slots * 3)
-        nn.init.zeros_(self.offset_linear.weight)
-        nn.init.zeros_(self.offset_linear.bias)
-
-    def offsets(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
-        """Queries (B, T, H, W, heads, D) -> offsets (B, T, H, W, heads, K or 1, 3) for `kernel`."""
-        B, T, H, W, heads, D = q.shape
-        x = q.reshape(B, T, H, W, heads * D).permute(0, 4, 1, 2, 3)  # (B, C, T, H, W)
-        x = F.gelu(self.offset_conv(x)).permute(0, 2, 3, 4, 1)  # (B, T, H, W, C)
-        off = self.max_offset * torch.tanh(self.offset_linear(x))  # (B, T, H, W, heads*slots*3)
-        if self.slots == 1:
-            return off.view(B, T, H, W, heads, 1, 3)
-        # A window clamped to a small grid keeps the offsets of its centre slots.
-        off = off.view(B, T, H, W, heads, *self.kernel_size, 3)
-        for axis, (k_full, k) in enumerate(zip(self.kernel_size, kernel)):
-            off = off.narrow(5 + axis, (k_full - k) // 2, k)
-        return off.reshape(B, T, H, W, heads, -1, 3)
+        self._build_offset_layers(dim, heads, kernel_size, offset_mode, max_offset)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernel = effective_kernel(self.kernel_size, tuple(q.shape[1:4]))  # the window the op will use

@@ -11,6 +11,7 @@ the latents of the family's own diffusers pipeline called with `torch.Generator(
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from slidefusion import validate
 from slidefusion.errors import UserError, check
 from slidefusion.pipeline.call import DiffusersCall, NoiseFn, refuse_existing
 from slidefusion.pipeline.ours import check_finite
+from slidefusion.processors import use_slide_attention
 
 
 def is_diffusers_folder(path: str | Path) -> bool:
@@ -45,7 +47,8 @@ class FolderPipeline(DiffusersCall):
     @classmethod
     def from_checkpoint(cls, ckpt, config, device: str = "cpu") -> FolderPipeline:
         """The source folder of a fine-tune with the checkpoint's (EMA) weights in its transformer:
-        every weight of a full fine-tune, or LoRA's adapters added to the base."""
+        every weight of a full fine-tune, or LoRA's adapters added to the base; a run with
+        model.attention=slide samples with the slide attention (and offsets) it trained."""
         from slidefusion.pretrained import PretrainedParts
         from slidefusion.training.checkpoint import first_nonfinite
         from slidefusion.training.finetune import lora
@@ -56,6 +59,8 @@ class FolderPipeline(DiffusersCall):
         weights = ckpt.sampling_weights
         bad = first_nonfinite(weights)
         check(bad is None, f"checkpoint {ckpt.path}: weight {bad} holds NaN or infinity; sample from an earlier checkpoint")
+        if config.model.slide is not None:  # as the run swapped it, before LoRA: the offsets are in the weights
+            use_slide_attention(model, **dataclasses.asdict(config.model.slide))
         if config.lora.enabled:
             lora.add_lora(model, config.lora, parts.adapter.lora_targets)
         missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)

@@ -3,6 +3,8 @@
     model:
       pretrained: Wan2.1-T2V-1.3B-Diffusers   # a local diffusers pipeline folder
       expert: transformer                      # Wan 2.2 A14B: transformer (high noise) or transformer_2
+      attention: slide                         # dense (stock) | slide | neighborhood: adapt to slide attention
+      attention_options: {kernel_size: [3, 7, 7], offset_mode: sample}   # see slidefusion.processors.SlideOptions
     lora:
       rank: 16                                 # null: full fine-tune
       alpha: 16                                # default: the rank
@@ -11,10 +13,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slidefusion import validate
 from slidefusion.errors import check
+from slidefusion.processors.config import configured_options
 
 EXPERTS = ("transformer", "transformer_2")
 
@@ -25,11 +28,21 @@ class PretrainedModelConfig:
 
     pretrained: str
     expert: str = "transformer"
+    # The video self-attention: "dense" keeps the stock processors; "slide" / "neighborhood" swap
+    # them (`use_slide_attention`) with these options, offset networks starting at zero.
+    attention: str = "dense"
+    attention_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         check(isinstance(self.pretrained, str) and self.pretrained.strip() != "",
               f"model.pretrained={self.pretrained!r} must name a local diffusers pipeline folder")
         check(self.expert in EXPERTS, f"model.expert={self.expert!r} is unknown; valid: {', '.join(EXPERTS)}")
+        configured_options(self.attention, self.attention_options)  # bad options fail when the config is built
+
+    @property
+    def slide(self):
+        """The `SlideOptions` of a swapped attention, or None for the stock (dense) one."""
+        return configured_options(self.attention, self.attention_options)
 
 
 @dataclass

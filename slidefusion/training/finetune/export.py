@@ -10,6 +10,10 @@ A LoRA fine-tune becomes the adapter alone, in the layout `pipe.load_lora_weight
 (pytorch_lora_weights.safetensors with "transformer."-prefixed names and the adapter's peft config
 as metadata), written by the family pipeline's own `save_lora_weights`.
 
+A run with `model.attention=slide` (or neighborhood) is refused with one line: diffusers' stock
+transformer classes cannot hold its offset networks, and a folder without them would run dense
+attention, a different model; `generate --checkpoint` samples such a run as trained.
+
 Either is written into a temporary folder and renamed into place (`atomic_folder`), after
 `check_export_destination`.
 """
@@ -96,6 +100,10 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
     if not config.pretrained:
         raise UserError(f"--format diffusers needs a checkpoint of a diffusers fine-tune (model.pretrained=DIR); "
                         f"{ckpt.path} trained our own {config.model.arch}: use --format slidefusion")
+    check(config.model.attention == "dense",
+          f"--format diffusers cannot hold slide attention: {ckpt.path} trained model.attention={config.model.attention} "
+          "and diffusers' stock classes have no place for its offset networks (the folder would run dense attention); "
+          f"sample it with `slidefusion generate --checkpoint {ckpt.path}`")
     folder = open_folder(config.model.pretrained)
     weights = ckpt.sampling_weights
     bad = first_nonfinite(weights)

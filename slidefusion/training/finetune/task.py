@@ -11,10 +11,17 @@ In order, cheap checks first, so that a mistake costs seconds, not a cached data
      host buffers (`OffloadEngine.load_weights`), never materialised twice.
 The loss is the family's own (`loss.FolderObjective`); checkpoints hold every weight, or with
 `lora.rank` the adapters only.
+
+`model.attention=slide` (or neighborhood) adapts the dense model to slide attention: the
+transformer's video self-attention is swapped (`use_slide_attention`) before LoRA and before any
+weight is loaded, and its offset networks get their initial values from `slide_offset_weights`
+(the run's seed; last layer zero, so step 0 is the dense model up to the window) on both paths
+alike. The offset networks always train, LoRA or not, and are checkpointed with LoRA's adapters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -29,6 +36,7 @@ from slidefusion.offload.shapes import ModelShape
 from slidefusion.offload.spill import check_spill_dir
 from slidefusion.offload.tile_runner import check_tileable
 from slidefusion.offload.training import offload_optimizer
+from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
@@ -88,8 +96,10 @@ class FolderTask:
         except UserError as error:
             raise UserError(f"data.frames/height/width: {error}") from None
         self.grid = adapter.token_grid(meta, (1, *self.latent))
-        if config.lora.enabled:
-            lora_lib.add_lora(meta, config.lora, adapter.lora_targets)
+        self.slide = cfg.slide
+        self._adapt(meta)
+        if not quiet:
+            self._say_window(meta)
         expert = next(e for e in folder.experts() if e.name == cfg.expert)
         ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
         self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
@@ -139,17 +149,44 @@ class FolderTask:
         from slidefusion.pretrained import load_transformer
 
         model = load_transformer(self.folder, self.config.model.expert, torch.float32)
-        if self.config.lora.enabled:
-            lora_lib.add_lora(model, self.config.lora, self.adapter.lora_targets)
-            model.load_state_dict(self._lora_init(model), strict=False)
+        self._adapt(model, weights=True)
         self.model = model.to(self.device).train()
         return ResidentOptimizer(self.model, self.config.optim)
+
+    def _adapt(self, model: nn.Module, weights: bool = False) -> None:
+        """Slide attention, then LoRA, on `model` (meta or real); with `weights`, their initial values."""
+        if self.slide is not None:
+            use_slide_attention(model, **dataclasses.asdict(self.slide))
+            if weights:
+                model.load_state_dict(self._slide_init(model), strict=False)
+        if self.config.lora.enabled:
+            lora_lib.add_lora(model, self.config.lora, self.adapter.lora_targets)
+            if weights:
+                model.load_state_dict(self._lora_init(model), strict=False)
+            for name, param in model.named_parameters():  # LoRA froze them; adapting means training them
+                if is_offset_weight(name):
+                    param.requires_grad_(True)
+
+    def _slide_init(self, model: nn.Module) -> dict:
+        return slide_offset_weights(model, self.config.run.seed) if self.slide is not None else {}
+
+    def _say_window(self, model: nn.Module) -> None:
+        """One line when the window is wider than the token grid on some axis (it is clamped there)."""
+        if self.slide is None:
+            return
+        grid = self.adapter.token_grid(model, (1, *self.latent))
+        wide = [axis for axis, k, n in zip("THW", self.slide.kernel_size, grid) if k > n]
+        if wide:
+            axes = "that axis" if len(wide) == 1 else "those axes"
+            print(f"model.attention_options.kernel_size {list(self.slide.kernel_size)} is wider than the token grid "
+                  f"{list(grid)} along {', '.join(wide)}: slide attention attends {axes} whole (the window is "
+                  "clamped to the grid)")
 
     def _offloaded(self):
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        attention = "flash" if self.device.type == "cuda" else "dense"
+        attention = "slide" if self.slide is not None else "flash" if self.device.type == "cuda" else "dense"
         engine = offload_optimizer(model, self.config, self.grid, model_shape(model, self.adapter, attention))
         names = lora_lib.folder_names(model)
         skipped = []
@@ -161,7 +198,7 @@ class FolderTask:
                 else:
                     skipped.append(name)
 
-        engine.load_weights(itertools.chain(base(), self._lora_init(model).items()))
+        engine.load_weights(itertools.chain(base(), self._slide_init(model).items(), self._lora_init(model).items()))
         if skipped:
             log.warning("skipped %d weight(s) the model does not have, e.g. %s", len(skipped), skipped[0])
         model.train()
@@ -184,10 +221,10 @@ class FolderTask:
         return loss
 
     def weights(self, state: dict) -> dict:
-        """Every weight, or LoRA's adapters only."""
+        """Every weight, or LoRA's adapters only (and slide attention's offset networks)."""
         if not self.config.lora.enabled:
             return state
-        return {k: v for k, v in state.items() if lora_lib.is_lora_weight(k)}
+        return {k: v for k, v in state.items() if lora_lib.is_lora_weight(k) or is_offset_weight(k)}
 
     def load_weights(self, weights: dict, source: Path) -> None:
         if not self.config.lora.enabled:

@@ -171,9 +171,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _alternate(runners: dict, args, batch, loss=_loss) -> tuple[dict, dict]:
-    """Median seconds per step of each runner, in alternating rounds after one warm-up round."""
+def _alternate(runners: dict, args, batch, loss=_loss, samples: dict | None = None) -> tuple[dict, dict]:
+    """Median seconds per step of each runner, in alternating rounds after one warm-up round (each
+    round's seconds per step into `samples`, if given)."""
     times, peak = {name: [] for name in runners}, {name: 0 for name in runners}
+    if samples is not None:
+        samples.update(times)
     cuda = torch.device(args.device).type == "cuda"
     for repeat in range(args.repeats + 1):
         for name, runner in runners.items():
@@ -253,12 +256,13 @@ def bench_wan(args) -> dict:
     """The Wan-shaped rows (see offload_wan.py): full and LoRA, offloaded vs the fastest resident."""
     runners = offload_wan.runners(args, Resident)
     batch = offload_wan.wan_batch(args, args.batch, args.device)
-    medians, peak = _alternate(runners, args, batch, offload_wan.wan_loss)
+    samples = {}
+    medians, peak = _alternate(runners, args, batch, offload_wan.wan_loss, samples)
     models = {n: r.model for n, r in runners.items()}
     t, h, w = (int(s) for s in args.wan_latent.split("x"))
     result = {"blocks": args.wan_depth, "tokens": args.batch * t * (h // 2) * (w // 2), "dtype": args.dtype,
               "device": args.device, "checkpointing": "every block boundary, all runners",
-              "groups": offload_wan.summarize(medians, models),
+              "groups": offload_wan.summarize(medians, models), "samples_s": samples,
               "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
     if torch.device(args.device).type == "cuda":
         result["peak_device_bytes"] = peak

@@ -23,14 +23,13 @@ import torch
 from torch import nn
 
 from slidefusion import memory
-from slidefusion.data import build_dataset
 from slidefusion.errors import UserError, check
 from slidefusion.offload.shapes import ModelShape
 from slidefusion.offload.training import offload_optimizer
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, data_options, draw_batch
+from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
@@ -94,7 +93,7 @@ class FolderTask:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
                               "training resident", "train with --offload, or use lora.rank")
-        self.dataset = build_dataset(**data_options(data))
+        self.dataset = dataset_of(data)
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
         self.run_dir, self.quiet = run_dir, quiet
         self.model, self.optimizer, self.cache = meta, None, None

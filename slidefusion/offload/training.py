@@ -24,6 +24,12 @@ def offload_policy(config) -> OffloadPolicy:
 def offload_optimizer(model: nn.Module, config, tokens: int, shape: ModelShape | None = None) -> OffloadEngine:
     """An `OffloadEngine` for a `TrainConfig`, once the planner says it fits; `tokens` per sample
     size the activations; `shape`: the model's (default: from `config.model`, one of our presets)."""
+    return OffloadEngine(model, engine_blocks(model), fitting_policy(model, config, tokens, shape))
+
+
+def fitting_policy(model: nn.Module, config, tokens: int, shape: ModelShape | None = None) -> OffloadPolicy:
+    """The engine's policy ('auto' residency resolved), or the planner's one-line refusal. A model on
+    the meta device is enough, so a run can be checked before any weight or cache exists."""
     off, run = config.offload, config.run
     policy = offload_policy(config)
     shape = shape or shape_of_config(config.model)
@@ -33,7 +39,7 @@ def offload_optimizer(model: nn.Module, config, tokens: int, shape: ModelShape |
     if off.resident_blocks == "auto":
         policy = dataclasses.replace(policy, resident_blocks=auto_resident_blocks(model, blocks, policy, activations))
     require_fit(engine_plan(model, blocks, policy, activations))
-    return OffloadEngine(model, blocks, policy)
+    return policy
 
 
 def engine_blocks(model: nn.Module) -> nn.ModuleList:

@@ -2,7 +2,7 @@
 
 In order, cheap checks first, so that a mistake costs seconds, not a cached dataset:
   1. the folder (a pipeline folder of a supported class), the transformer built on the meta device,
-     the data sizes against the VAE and the patch, LoRA's target modules;
+     the data sizes against the VAE and the patch, LoRA's target modules, the memory plan;
   2. the caches: every clip's latents (the folder's VAE) and every caption's text states (the
      folder's text encoders, through the family's own pipeline), computed once; the VAE and the
      text encoders are freed before the transformer is loaded;
@@ -25,7 +25,7 @@ from torch import nn
 from slidefusion import memory
 from slidefusion.errors import UserError, check
 from slidefusion.offload.shapes import ModelShape
-from slidefusion.offload.training import offload_optimizer
+from slidefusion.offload.training import fitting_policy, offload_optimizer
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
@@ -89,7 +89,10 @@ class FolderTask:
         expert = next(e for e in folder.experts() if e.name == cfg.expert)
         ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
         self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
-        if not config.offload.enabled:
+        self.attention = "flash" if device.type == "cuda" else "dense"
+        if config.offload.enabled:  # the planner's refusal now, not after the caches
+            fitting_policy(meta, config, self.tokens, model_shape(meta, adapter, self.attention))
+        else:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
                               "training resident", "train with --offload, or use lora.rank")
@@ -141,8 +144,7 @@ class FolderTask:
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        attention = "flash" if self.device.type == "cuda" else "dense"
-        engine = offload_optimizer(model, self.config, self.tokens, model_shape(model, self.adapter, attention))
+        engine = offload_optimizer(model, self.config, self.tokens, model_shape(model, self.adapter, self.attention))
         names = lora_lib.folder_names(model)
         skipped = []
 

@@ -262,7 +262,7 @@ def bench_wan(args) -> dict:
     t, h, w = (int(s) for s in args.wan_latent.split("x"))
     result = {"blocks": args.wan_depth, "tokens": args.batch * t * (h // 2) * (w // 2), "dtype": args.dtype,
               "device": args.device, "checkpointing": "every block boundary, all runners",
-              "groups": offload_wan.summarize(medians, models), "samples_s": samples,
+              "groups": offload_wan.summarize(medians, models, samples), "samples_s": samples,
               "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
     if torch.device(args.device).type == "cuda":
         result["peak_device_bytes"] = peak

@@ -16,6 +16,7 @@ Imported by offload.py (section "wan"); not run by itself.
 from __future__ import annotations
 
 import copy
+import statistics
 from functools import cache
 
 import torch
@@ -112,8 +113,10 @@ def runners(args, resident_cls) -> dict:
     return out
 
 
-def summarize(medians: dict, models: dict) -> dict:
-    """Per group (full, LoRA): the fastest resident AdamW and every runner's ratio to it."""
+def summarize(medians: dict, models: dict, samples: dict | None = None) -> dict:
+    """Per group (full, LoRA): the fastest resident AdamW (by median) and every runner's ratio to it;
+    with `samples` (seconds per round) also the median of the per-round ratios and the ratio of the
+    best rounds, which a shared machine's load (it only ever adds time) disturbs less."""
     groups = {}
     for name, seconds in medians.items():
         groups.setdefault(name.split(" resident")[0].split(" offloaded")[0], {})[name] = seconds
@@ -126,6 +129,11 @@ def summarize(medians: dict, models: dict) -> dict:
                          "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                          "median_s": times, "fastest_resident": fastest,
                          "ratio_to_fastest_resident": {n: s / resident[fastest] for n, s in times.items()}}
+        if samples:
+            anchor = samples[fastest]
+            result[group]["median_round_ratio"] = {
+                n: statistics.median(a / b for a, b in zip(samples[n], anchor)) for n in times}
+            result[group]["best_round_ratio"] = {n: min(samples[n]) / min(anchor) for n in times}
     return result
 
 
@@ -140,5 +148,7 @@ def table(section: dict) -> list[str]:
             host = (f"  host state {engine['host_state_bytes'] / 1e6:.0f} MB = {engine['host_state_bytes'] / g['params']:.2f} "
                     "B per model parameter" if engine else "")
             mfu = f"  MFU {g['mfu'][name]:.1%}" if "mfu" in g else ""
-            lines.append(f"    {name:<44} {seconds * 1e3:9.1f} ms   x{g['ratio_to_fastest_resident'][name]:.3f}{mfu}{host}")
+            rounds = (f" (per round x{g['median_round_ratio'][name]:.3f}, best rounds x{g['best_round_ratio'][name]:.3f})"
+                      if "median_round_ratio" in g else "")
+            lines.append(f"    {name:<44} {seconds * 1e3:9.1f} ms   x{g['ratio_to_fastest_resident'][name]:.3f}{rounds}{mfu}{host}")
     return lines

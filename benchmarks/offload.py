@@ -12,6 +12,10 @@ Measurements, side by side in one run, alternating, after warm-up, medians quote
               is the engine copying through threads as it would over PCIe (the race tests' mode).
   residency   a transfer-bound configuration: the CPU copy threads throttled to --bandwidth, the
               engine with 0, half and all blocks resident.
+  wan         a Wan-shaped row (offload_wan.py): a random diffusers WanTransformer3DModel, ~25 M
+              parameters in 8 blocks, Wan's flow-matching loss through the adapters; the engine against
+              the fastest of torch's single-tensor, foreach and fused AdamW on the resident model, and the
+              same with peft LoRA (rank --lora-rank, the base frozen) on both sides.
   optimizer   one AdamW step over N parameters: our kernels in every mode against the bandwidth
               floor for their own byte count (a kernel moving the same bytes with no arithmetic),
               torch's fused and default AdamW, DeepSpeed's CPUAdam when importable. The exact
@@ -48,6 +52,8 @@ from slidefusion.offload.planner import parse_bytes
 from slidefusion.offload.transfer import Worker
 from slidefusion.optim import OptimConfig
 
+import offload_wan  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
+
 RESIDENT = {"resident": {}, "resident, foreach AdamW": {"foreach": True}, "resident, fused AdamW": {"fused": True}}
 OFFLOADED = {"offloaded": {}, "offloaded+clip": {"max_grad_norm": 1.0}, "offloaded, no prefetch": {"prefetch": 0},
              "offloaded, copy threads": {"zero_copy": False},
@@ -73,15 +79,17 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--params", type=float, default=16e6, help="parameters in the optimizer benchmark")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak, for MFU (CUDA)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["step", "residency", "optimizer"], help="sections to leave out")
+    p.add_argument("--skip", nargs="*", default=[], choices=["step", "residency", "wan", "optimizer"], help="sections to leave out")
     p.add_argument("--runners", nargs="*", default=[r for r in RUNNERS if r != "offloaded, no prefetch"], choices=RUNNERS,
                    help="step-time runners (each engine holds its own host state: leave some out for big models)")
     p.add_argument("--bandwidth", default="250MB/s", help="the residency section's copy bandwidth (CPU): low enough to be transfer-bound")
     p.add_argument("--optimizer-threads", type=int, default=1, help="threads for our kernels in the optimizer section")
     p.add_argument("--out", default="runs/benchmarks/offload", help="folder for offload.json")
+    offload_wan.add_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.heads, args.latent, args.repeats, args.steps_per_round, args.params = 128, 4, "2x8x8", 3, 2, 2e6
+        offload_wan.quick(args)
     return args
 
 
@@ -132,7 +140,8 @@ class Resident:
         self.model, self.dtype, self.device = model.to(device), dtype, torch.device(device)
         for block in model.blocks:
             block.forward = partial(checkpoint, block.forward, use_reentrant=False)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = torch.optim.AdamW(trainable, lr=1e-4, **adamw)
 
     def train_step(self, loss_fn) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -162,9 +171,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _alternate(runners: dict, args, batch) -> tuple[dict, dict]:
-    """Median seconds per step of each runner, in alternating rounds after one warm-up round."""
+def _alternate(runners: dict, args, batch, loss=_loss, samples: dict | None = None) -> tuple[dict, dict]:
+    """Median seconds per step of each runner, in alternating rounds after one warm-up round (each
+    round's seconds per step into `samples`, if given)."""
     times, peak = {name: [] for name in runners}, {name: 0 for name in runners}
+    if samples is not None:
+        samples.update(times)
     cuda = torch.device(args.device).type == "cuda"
     for repeat in range(args.repeats + 1):
         for name, runner in runners.items():
@@ -173,7 +185,7 @@ def _alternate(runners: dict, args, batch) -> tuple[dict, dict]:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             for _ in range(args.steps_per_round):  # consecutive steps: the engine's deferred updates
-                runner.train_step(lambda m: _loss(m, batch))  # overlap its own next step, as in training
+                runner.train_step(lambda m: loss(m, batch))  # overlap its own next step, as in training
             if isinstance(runner, OffloadEngine):
                 runner.synchronize()  # ... and none leaks into the next runner's time
             _sync(args.device)
@@ -238,6 +250,31 @@ def bench_residency(args) -> dict:
     base = medians["resident_blocks=0"]
     return {"bandwidth_bytes_s": bandwidth, "median_s": medians, "speedup": {n: base / s for n, s in medians.items()},
             "engine": facts}
+
+
+def bench_wan(args) -> dict:
+    """The Wan-shaped rows (see offload_wan.py): full and LoRA, offloaded vs the fastest resident."""
+    runners = offload_wan.runners(args, Resident)
+    batch = offload_wan.wan_batch(args, args.batch, args.device)
+    samples = {}
+    medians, peak = _alternate(runners, args, batch, offload_wan.wan_loss, samples)
+    models = {n: r.model for n, r in runners.items()}
+    t, h, w = (int(s) for s in args.wan_latent.split("x"))
+    result = {"blocks": args.wan_depth, "tokens": args.batch * t * (h // 2) * (w // 2), "dtype": args.dtype,
+              "device": args.device, "checkpointing": "every block boundary, all runners",
+              "groups": offload_wan.summarize(medians, models, samples), "samples_s": samples,
+              "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
+    if torch.device(args.device).type == "cuda":
+        result["peak_device_bytes"] = peak
+    if args.peak_tflops and "wan" in result["groups"]:  # the full fine-tune's model FLOPs, as bench_step counts
+        per_sample, params = result["tokens"] // args.batch, result["groups"]["wan"]["params"]
+        flops = 6 * params * result["tokens"] + 12 * args.wan_depth * args.batch * per_sample ** 2 * args.wan_dim
+        result["groups"]["wan"]["mfu"] = {n: flops / s / (args.peak_tflops * 1e12)
+                                          for n, s in result["groups"]["wan"]["median_s"].items()}
+    for runner in runners.values():
+        if isinstance(runner, OffloadEngine):
+            runner.close()
+    return result
 
 
 # -- optimizer throughput -------------------------------------------------------------------------
@@ -369,6 +406,8 @@ def table(results: dict) -> str:
             e = r["engine"][name]
             lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   x{r['speedup'][name]:.2f} faster, "
                          f"{e['h2d_bytes_per_step'] / 1e6:.1f} MB up per step, transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.1f} ms")
+    if "wan" in results:
+        lines += offload_wan.table(results["wan"])
     if "optimizer" in results:
         o = results["optimizer"]
         lines.append(f"AdamW step over {o['params'] / 1e6:.0f} M parameters, torch {o['threads']} thread(s), ours {o['our_threads']}")
@@ -388,6 +427,8 @@ def main(argv=None) -> dict:
         results["step"] = bench_step(args)
     if "residency" not in args.skip and torch.device(args.device).type == "cpu":
         results["residency"] = bench_residency(args)
+    if "wan" not in args.skip:
+        results["wan"] = bench_wan(args)
     if "optimizer" not in args.skip:
         results["optimizer"] = bench_optimizer(args)
     print(table(results))

@@ -138,10 +138,15 @@ def cmd_export(args) -> None:
 
 
 def _sampling_options(parser: ArgumentParser) -> None:
-    parser.add_argument("--frames", type=types.positive_int, help="frames (default: the training clip length)")
-    parser.add_argument("--height", type=types.positive_int, help="height in pixels (default: the training size)")
-    parser.add_argument("--width", type=types.positive_int, help="width in pixels (default: the training size)")
-    parser.add_argument("--steps", type=types.integer(1, 10_000), default=30, help="Euler steps (default 30)")
+    parser.add_argument("--frames", type=types.positive_int, help="frames (default: the training clip length; "
+                        "required with --pretrained, e.g. 33 for Wan: 1 + 4k)")
+    parser.add_argument("--height", type=types.positive_int, help="height in pixels (default: the training size; "
+                        "required with --pretrained)")
+    parser.add_argument("--width", type=types.positive_int, help="width in pixels (default: the training size; "
+                        "required with --pretrained)")
+    parser.add_argument("--steps", type=types.integer(1, 10_000), default=30,
+                        help="sampling steps (default 30): Euler for our models, the folder's own scheduler "
+                        "for a diffusers folder or a fine-tune of one")
     parser.add_argument("--guidance", type=types.guidance, default=4.0,
                         help="classifier-free guidance scale, 0..100 (default 4; 1 = no guidance)")
     parser.add_argument("--seed", type=types.seed, default=0, help="0..2**64-1 (default 0)")

@@ -31,6 +31,14 @@ def _call_wan(adapter: ModelAdapter, model: nn.Module, x: Tensor, t: Tensor, tex
                  encoder_hidden_states_image=text.image, return_dict=False)[0]
 
 
+def _check_wan(adapter, model, shape):
+    # diffusers' WanRotaryPosEmbed slices a table of rope_max_seq_len positions per axis: past it, a reshape error
+    grid = [size // patch for size, patch in zip(shape[2:], adapter.patch_size(model))]
+    longest = int(model.config.rope_max_seq_len)
+    check(max(grid) <= longest, f"latent grid {'x'.join(map(str, grid))} exceeds this Wan's rotary table: "
+                                f"frames, height and width / patch must each be <= rope_max_seq_len={longest}")
+
+
 WAN = ModelAdapter(
     family="wan", class_name="WanTransformer3DModel",
     block_lists=(BlockList("blocks", "full", "attn1"),),
@@ -39,6 +47,7 @@ WAN = ModelAdapter(
     text=TextSpec(("text_encoder",), ("tokenizer",), ("UMT5EncoderModel",), 512, "zeros"),
     pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     options=MappingProxyType({"expand_timesteps": False}),
+    check_latents=_check_wan,
 )
 
 

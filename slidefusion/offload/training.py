@@ -30,6 +30,13 @@ def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int],
     """An `OffloadEngine` for a `TrainConfig`, once the planner says it fits; `grid` (T, H, W),
     the token grid of one sample, sizes the activations; `shape`: the model's (default: from
     `config.model`, one of our presets)."""
+    return OffloadEngine(model, engine_blocks(model), fitting_policy(model, config, grid, shape))
+
+
+def fitting_policy(model: nn.Module, config, grid: tuple[int, int, int],
+                   shape: ModelShape | None = None) -> OffloadPolicy:
+    """The engine's policy ('auto' residency and tiles resolved), or the planner's one-line refusal.
+    A model on the meta device is enough, so a run can be checked before any weight or cache exists."""
     off, run = config.offload, config.run
     policy, blocks = offload_policy(config), engine_blocks(model)
     shape = shape or shape_of_config(config.model)
@@ -44,7 +51,7 @@ def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int],
     if off.resident_blocks == "auto":
         policy = dataclasses.replace(policy, resident_blocks=auto_resident_blocks(model, blocks, policy, activations))
     require_fit(engine_plan(model, blocks, policy, activations))
-    return OffloadEngine(model, blocks, policy)
+    return policy
 
 
 def _auto_tile(model, blocks, policy, shape, work) -> int | None:

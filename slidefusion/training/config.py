@@ -149,6 +149,9 @@ def _coerce(value, annotation, key: str):
         return value
     if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
+    if annotation is str and isinstance(value, bool):  # YAML 1.1: run.name=off is False, run.name=yes is True
+        raise UserError(f"{key}={value!r} must be a str; YAML reads yes/no/on/off/true/false as booleans: quote the "
+                        f"value, e.g. '{key}=\"off\"' on the command line")
     raise UserError(f"{key}={value!r} must be a {getattr(annotation, '__name__', annotation)}")
 
 

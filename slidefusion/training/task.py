@@ -68,6 +68,18 @@ def data_options(data) -> dict:
     return options
 
 
+def dataset_of(data):
+    """The run's dataset; an error about one of its arguments names the config key ("data.root: ...")."""
+    options = data_options(data)
+    try:
+        return build_dataset(**options)
+    except UserError as error:
+        field = str(error).split(":")[0].split(" ")[0]
+        if field in options and field != "kind":
+            raise UserError(f"data.{error}") from None
+        raise
+
+
 def draw_batch(dataset, size: int, caption_dropout: float, generator: torch.Generator, caption_of):
     """(indices, captions) of one batch, some captions dropped to "" for CFG: the same draws for every task."""
     indices = torch.randint(len(dataset), (size,), generator=generator).tolist()
@@ -91,7 +103,7 @@ class OwnModelTask:
                                       config.run.batch_size, ema=config.optim.ema_decay is not None, offload=offload)
         memory.check_fits(parts, device, "a training step", "lower run.batch_size, data.frames, data.height "
                           "or data.width, or choose a smaller model" + ("" if offload else ", or train with --offload"))
-        self.dataset = build_dataset(**data_options(data))
+        self.dataset = dataset_of(data)
         encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         self.captions = CaptionCache(encoder, run_dir / "captions.safetensors")
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone

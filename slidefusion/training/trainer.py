@@ -9,6 +9,7 @@ sequence of an uninterrupted one. The optimizer sits behind a small `train_step(
 an offload engine with the same methods can replace `ResidentOptimizer` without touching the loop.
 """
 
+import dataclasses
 import json
 import math
 import time
@@ -140,7 +141,8 @@ class Trainer:
         except UserError as error:
             raise UserError(f"--resume {ckpt.path}: its config.json is invalid: {error}") from None
         if saved.model != self.config.model or saved.lora != self.config.lora:
-            raise UserError(f"--resume {ckpt.path}: its model config differs from this run's; use --init-from to adapt weights")
+            raise UserError(f"--resume {ckpt.path}: its model config differs from this run's ({_first_difference(saved, self.config)}); "
+                            "use --init-from to adapt weights")
         bad = first_nonfinite(ckpt.model)
         if bad is not None:
             raise UserError(f"--resume {ckpt.path}: weight {bad} holds NaN or infinity; resume from an earlier checkpoint")
@@ -297,3 +299,16 @@ def _tensorboard(run_dir: Path):
     except ImportError:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install 'slidefusion[tensorboard]'") from None
     return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _first_difference(saved, config) -> str:
+    """The first model.* or lora.* key whose value differs, e.g. "lora.rank: 16 in the checkpoint, 8 here"."""
+    for section in ("model", "lora"):
+        a, b = getattr(saved, section), getattr(config, section)
+        if type(a) is not type(b):
+            return f"{section}: {type(a).__name__} in the checkpoint, {type(b).__name__} here"
+        for field in dataclasses.fields(a):
+            old, new = getattr(a, field.name), getattr(b, field.name)
+            if old != new:
+                return f"{section}.{field.name}: {old!r} in the checkpoint, {new!r} here"
+    return "model"

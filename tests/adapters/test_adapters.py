@@ -338,6 +338,7 @@ def test_a_subclass_finds_its_base_record():
     ("latte", lambda x, t: (x[:, :, :2], t), "latent frames=2 must be 1 or this Latte's video_length=3"),
     ("mochi", lambda x, t: (x, t[:1].expand(3)), r"timesteps must be a scalar or \(2,\)"),
     ("cogvideox1.5", lambda x, t: (torch.cat([x, x], dim=4), t), "latent grid 3x10 exceeds .* rotary table 8x8"),
+    ("wan", lambda x, t: (torch.cat([x] * 7, dim=4), t), "latent grid 2x3x35 exceeds this Wan's rotary table"),
 ])
 def test_bad_latents_and_timesteps_are_one_line_user_errors(family, change, match):
     model, adapter, x, text = _run(family)

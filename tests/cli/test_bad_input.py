@@ -145,7 +145,7 @@ CASES = [
     ("train {tiny} --resume {null_model_ckpt} run.output_dir={cwd}/r", "model=None"),
     ("train {tiny} --resume {garbage_weights} run.output_dir={cwd}/r", "model.safetensors"),
     ("train {tiny} --resume {nan_ckpt} run.output_dir={cwd}/r {small}", "NaN"),
-    ("train {tiny} --resume {ckpt} run.output_dir={cwd}/r model.hidden=64", "model config differs"),
+    ("train {tiny} --resume {ckpt} run.output_dir={cwd}/r model.hidden=64", "model config differs from this run's (model.hidden: "),
     ("train {tiny} --init-from {nan_ckpt} run.output_dir={cwd}/r {small}", "NaN"),
     ("train {tiny} run.output_dir={runs} {small}", "already holds checkpoint-1"),
     ("train {tiny} run.output_dir={runs} run.name=locked --resume latest {small}", "in use by another training run"),
@@ -190,9 +190,13 @@ CASES = [
     ("{ft} model.expert=bogus", "model.expert='bogus' is unknown"),
     ("{ft} data.frames=6", "data.frames/height/width: frames=6 is not allowed by this VAE; valid: 1 + 4k"),
     ("{ft} data.height=44", "data.frames/height/width"),
+    ("{ft} data.width=1040", "exceeds this Wan's rotary table: frames, height and width / patch must each be <= rope_max_seq_len=32"),
+    ("{ft} data.kind=folder data.root={cwd}/nowhere", "data.root: no such folder"),
+    ("{ft} data.kind=folder data.root={folder}", "data.root: no videos"),
+    ("{ft} run.name=off", "run.name=False must be a str; YAML reads yes/no/on/off/true/false as booleans: quote the value"),
     ("{ft} lora.rank=0", "lora.rank=0 must be a positive int"),
     ("{ft} lora.rank=4 lora.target_modules=[bogus]", "lora.target_modules: 'bogus' matches no Linear module"),
-    ("{ft} --resume {ckpt}", "model config differs"),
+    ("{ft} --resume {ckpt}", "model config differs from this run's (model: ModelConfig in the checkpoint, PretrainedModelConfig here)"),
     # train model.pretrained=DIR model.attention=slide: the window and the swap (a window wider than the
     # token grid is no error: it is clamped, and the run says so; tests/processors/test_adapt.py)
     ("{ft} model.attention=slide 'model.attention_options={{kernel_size: [2, 3, 3]}}'",

@@ -73,3 +73,14 @@ def test_every_float_key_is_finite_even_a_new_one():
 def test_run_names_are_plain_folder_names(name):
     with pytest.raises(UserError, match="run.name=.* must be a plain folder name"):
         load_config(None, [f"run.name='{name}'"])
+
+
+def test_a_pretrained_folder_is_kept_absolute_so_the_run_works_from_any_directory(tmp_path, monkeypatch):
+    import dataclasses
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["model.pretrained=./wan/"])
+    assert config.model.pretrained == str(tmp_path / "wan")
+    monkeypatch.chdir("/")  # the run's config.json, read back elsewhere, names the same folder
+    again = build(TrainConfig, dataclasses.asdict(config))
+    assert again.model == config.model

@@ -159,3 +159,15 @@ def test_bf16_offloaded_tracks_resident_under_autocast(tiny_pipeline_dir, tmp_pa
     moved = sum((theirs[k] - v).abs().sum().item() for k, v in initial.items())
     apart = sum((ours[k] - theirs[k]).abs().sum().item() for k in initial)
     assert apart <= 0.05 * moved, (apart, moved)
+
+
+def test_an_offload_plan_that_does_not_fit_is_refused_before_any_cache(tiny_pipeline_dir, tmp_path, monkeypatch, capsys):
+    import slidefusion.offload.training as seam
+    from slidefusion.errors import UserError
+
+    def refuse(plan):
+        raise UserError("does not fit: host needs 215 GB but has 128 GB")
+
+    monkeypatch.setattr(seam, "require_fit", refuse)
+    assert main(_args(tiny_pipeline_dir("wan"), "wan", tmp_path, "big", "--offload")) == 2
+    assert "does not fit" in capsys.readouterr().err and not (tmp_path / "big" / "cache").exists()

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from slidefusion import validate
@@ -36,6 +37,9 @@ class PretrainedModelConfig:
     def __post_init__(self):
         check(isinstance(self.pretrained, str) and self.pretrained.strip() != "",
               f"model.pretrained={self.pretrained!r} must name a local diffusers pipeline folder")
+        # absolute, so the run's config.json (which generate, export and --resume read) names the same
+        # folder from any working directory
+        self.pretrained = os.path.abspath(os.path.expanduser(self.pretrained))
         check(self.expert in EXPERTS, f"model.expert={self.expert!r} is unknown; valid: {', '.join(EXPERTS)}")
         configured_options(self.attention, self.attention_options)  # bad options fail when the config is built
 

@@ -33,7 +33,9 @@ def target_modules(model: nn.Module, lora, defaults: tuple[str, ...]) -> list[st
     linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for target in targets:
         if not any(_matches(n, target) for n in linear):
-            suffixes = sorted({n.split(".")[-1] for n in linear})
+            # "to_out.0", not "0": a bare index names nothing a user would recognise
+            suffixes = sorted({".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
+                               for n in linear})
             raise UserError(f"lora.target_modules: {target!r} matches no Linear module of {type(model).__name__}; "
                             f"valid names end in e.g. {', '.join(suffixes[:12])}")
     return targets

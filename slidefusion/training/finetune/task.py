@@ -2,7 +2,7 @@
 
 In order, cheap checks first, so that a mistake costs seconds, not a cached dataset:
   1. the folder (a pipeline folder of a supported class), the transformer built on the meta device,
-     the data sizes against the VAE and the patch, LoRA's target modules;
+     the data sizes against the VAE and the patch, LoRA's target modules, the memory plan;
   2. the caches: every clip's latents (the folder's VAE) and every caption's text states (the
      folder's text encoders, through the family's own pipeline), computed once; the VAE and the
      text encoders are freed before the transformer is loaded;
@@ -30,17 +30,16 @@ import torch
 from torch import nn
 
 from slidefusion import memory
-from slidefusion.data import build_dataset
 from slidefusion.errors import UserError, check
 from slidefusion.offload.shapes import ModelShape
 from slidefusion.offload.spill import check_spill_dir
 from slidefusion.offload.tile_runner import check_tileable
-from slidefusion.offload.training import offload_optimizer
+from slidefusion.offload.training import fitting_policy, offload_optimizer
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, data_options, draw_batch
+from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
@@ -107,11 +106,14 @@ class FolderTask:
             check_tileable(meta, adapter.blocks(meta), config.offload.tile)
         if config.offload.enabled and config.offload.spill_dir is not None:
             check_spill_dir(config.offload.spill_dir)
-        if not config.offload.enabled:
+        self.attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
+        if config.offload.enabled:  # the planner's refusal now, not after the caches
+            fitting_policy(meta, config, self.grid, model_shape(meta, adapter, self.attention))
+        else:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
                               "training resident", "train with --offload, or use lora.rank")
-        self.dataset = build_dataset(**data_options(data))
+        self.dataset = dataset_of(data)
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
         self.run_dir, self.quiet = run_dir, quiet
         self.model, self.optimizer, self.cache = meta, None, None
@@ -186,8 +188,7 @@ class FolderTask:
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        attention = "slide" if self.slide is not None else "flash" if self.device.type == "cuda" else "dense"
-        engine = offload_optimizer(model, self.config, self.grid, model_shape(model, self.adapter, attention))
+        engine = offload_optimizer(model, self.config, self.grid, model_shape(model, self.adapter, self.attention))
         names = lora_lib.folder_names(model)
         skipped = []
 

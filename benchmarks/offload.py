@@ -168,13 +168,14 @@ def _sync(device):
 def _alternate(runners: dict, args, batch) -> tuple[dict, dict]:
     """Median seconds per step of each runner, in alternating rounds after one warm-up round."""
     times, peak = {name: [] for name in runners}, {name: 0 for name in runners}
+    cpu = {name: [] for name in runners}  # process CPU seconds (every thread): the work, less a shared machine's waits
     cuda = torch.device(args.device).type == "cuda"
     for repeat in range(args.repeats + 1):
         for name, runner in runners.items():
             _sync(args.device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps_per_round):  # consecutive steps: the engine's deferred updates
                 runner.train_step(lambda m: _loss(m, batch))  # overlap its own next step, as in training
             if isinstance(runner, OffloadEngine):
@@ -182,8 +183,10 @@ def _alternate(runners: dict, args, batch) -> tuple[dict, dict]:
             _sync(args.device)
             if repeat >= 1:
                 times[name].append((time.perf_counter() - start) / args.steps_per_round)
+                cpu[name].append((time.process_time() - start_cpu) / args.steps_per_round)
             if cuda:
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+    peak["cpu_s"] = {name: statistics.median(t) for name, t in cpu.items()}
     return {name: statistics.median(t) for name, t in times.items()}, peak
 
 
@@ -193,7 +196,9 @@ def _engine_facts(engine: OffloadEngine) -> dict:
             "exposed_fraction": s.exposed_optimizer_s / max(s.optimizer_s, 1e-12),
             "exposed_transfer_s_per_step": s.exposed_transfer_s / s.steps, "h2d_bytes_per_step": s.h2d_bytes / s.steps,
             "d2h_bytes_per_step": s.d2h_bytes / s.steps, "peak_device_param_bytes": s.peak_device_param_bytes,
-            "host_bytes_per_param": s.host_bytes_per_param, "host_state_bytes": s.host_state_bytes}
+            "host_bytes_per_param": s.host_bytes_per_param, "host_state_bytes": s.host_state_bytes,
+            # CPU copy threads: seconds a step keeps them busy, on the cores the compute also needs
+            "copy_thread_s_per_step": sum(c.worker.busy_s for c in (engine.h2d, engine.d2h) if hasattr(c, "worker")) / s.steps}
 
 
 def bench_step(args) -> dict:
@@ -205,11 +210,13 @@ def bench_step(args) -> dict:
         elif name != "offloaded, no prefetch" or cuda:  # on CPU copies and compute share the cores
             runners[name] = _engine(args, OFFLOADED[name])
     medians, peak = _alternate(runners, args, _batch(args, args.device))
+    cpu_s = peak.pop("cpu_s")
     params = sum(p.numel() for p in next(iter(runners.values())).model.parameters())
     t, h, w = (int(s) for s in args.latent.split("x"))
     per_sample = t * (h // 2) * (w // 2)
     result = {"params": params, "blocks": args.depth, "tokens": args.batch * per_sample, "dtype": args.dtype,
               "device": args.device, "checkpointing": "every block boundary, all runners", "median_s": medians,
+              "median_process_cpu_s": cpu_s,
               "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
     for runner in runners.values():
         if isinstance(runner, OffloadEngine):
@@ -218,6 +225,12 @@ def bench_step(args) -> dict:
     if resident:
         result["fastest_resident"] = min(resident, key=resident.get)
         result["ratio_to_fastest_resident"] = {n: s / resident[result["fastest_resident"]] for n, s in medians.items()}
+    if "offloaded, copy threads" in medians:
+        # On a CPU device "offloaded" computes in place (nothing to copy, so nothing residency could
+        # save); resident blocks need the copying engine, so that is their comparison.
+        copying = "offloaded, copy threads"
+        result["ratio_to_copy_threads"] = {n: medians[n] / medians[copying] for n in medians if "resident blocks" in n}
+        result["cpu_ratio_to_copy_threads"] = {n: cpu_s[n] / cpu_s[copying] for n in result["ratio_to_copy_threads"]}
     # Model FLOPs (recompute not counted, as MFU does): 6 per parameter and token, plus dense self-
     # attention's 4 N^2 C per block forward, x3 for forward + backward.
     flops = 6 * params * result["tokens"] + 12 * args.depth * args.batch * per_sample ** 2 * args.hidden
@@ -234,7 +247,8 @@ def bench_residency(args) -> dict:
     bandwidth = parse_bytes(args.bandwidth, "--bandwidth")
     counts = sorted({0, args.depth // 2, args.depth})
     runners = {f"resident_blocks={n}": _engine(args, {"resident_blocks": n, "zero_copy": False}, bandwidth) for n in counts}
-    medians, _ = _alternate(runners, args, _batch(args, args.device))
+    medians, peak = _alternate(runners, args, _batch(args, args.device))
+    peak.pop("cpu_s")
     facts = {name: _engine_facts(r) for name, r in runners.items()}
     for runner in runners.values():
         runner.close()
@@ -262,8 +276,8 @@ def _alternating(fns: dict, repeats: int) -> tuple[dict, dict]:
     return ({name: statistics.median(s) for name, s in wall.items()}, {name: statistics.median(s) for name, s in cpu.items()})
 
 
-def _in_cache(cfg, master: str, moments: str, n: int = 64 * QBLOCK, calls: int = 50):
-    """The kernel's compute-bound time: `calls` updates of n cache-resident parameters (n * 10-18 B
+def _in_cache(cfg, master: str, moments: str, n: int = 32 * QBLOCK, calls: int = 100):
+    """The kernel's compute-bound time: `calls` updates of n cache-resident parameters (n * 10-20 B
     of state fits L2), seconds per call of the n parameters."""
     call = prepared_kernel(_lean_buffers(n, master, moments), 1, 1e-4, cfg, 1.0, seeds(0, 1, 0))
 
@@ -386,11 +400,15 @@ def table(results: dict) -> str:
             mfu = f"MFU {s['mfu'][name]:.1%}" if "mfu" in s else ""
             peak = f"peak {s['peak_device_bytes'][name] / 2**30:.1f} GiB" if "peak_device_bytes" in s else ""
             host = f"host {s['engine'][name]['host_bytes_per_param']:.2f} B/param" if name in s["engine"] else ""
-            lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   {ratio} {host} {mfu} {peak}")
+            cpu = f"process CPU {s['median_process_cpu_s'][name] * 1e3:.0f} ms" if "median_process_cpu_s" in s else ""
+            lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   {ratio} {cpu} {host} {mfu} {peak}")
+        for name, ratio in s.get("ratio_to_copy_threads", {}).items():
+            lines.append(f"  {name:<32} x{ratio:.3f} of the copying engine (process CPU x{s['cpu_ratio_to_copy_threads'][name]:.3f})")
         for name, e in s["engine"].items():
             lines.append(f"  {name:<32} optimizer {e['optimizer_s_per_step'] * 1e3:.1f} ms/step, exposed "
                          f"{e['exposed_optimizer_s_per_step'] * 1e3:.2f} ms ({e['exposed_fraction']:.1%}); "
-                         f"transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.2f} ms")
+                         f"transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.2f} ms; copy threads busy "
+                         f"{e['copy_thread_s_per_step'] * 1e3:.1f} ms")
     if "residency" in results:
         r = results["residency"]
         lines.append(f"transfer-bound: copies at {r['bandwidth_bytes_s'] / 1e9:.3g} GB/s")

@@ -18,8 +18,11 @@ Measurements, side by side in one run, alternating, after warm-up, medians quote
               same with peft LoRA (rank --lora-rank, the base frozen) on both sides.
   optimizer   one AdamW step over N parameters: our kernels in every mode against the bandwidth
               floor for their own byte count (a kernel moving the same bytes with no arithmetic),
-              torch's fused and default AdamW, DeepSpeed's CPUAdam when importable. The exact
-              kernel runs on a background thread, as in the engine (torch on one core there).
+              torch's fused and default AdamW, DeepSpeed's CPUAdam when importable; timed in CPU
+              time of the calling thread, which a shared machine's waits for a core leave out. The
+              exact kernel runs on a background thread, as in the engine (torch on one core there).
+              Each lean kernel also runs on cache-resident buffers ("in cache"): its compute alone,
+              so "compute allows" is the most of the floor that its arithmetic leaves possible.
 Writes a table on stdout and JSON (with the machine facts) to OUT/offload.json.
 
     python benchmarks/offload.py --quick            # smoke run, ~1 minute on 2 cores
@@ -47,7 +50,7 @@ from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy, kernels
 from slidefusion.offload.adam import adamw_parallel_
 from slidefusion.offload.formats import QBLOCK, update_bytes_per_param
-from slidefusion.offload.lean import LeanBuffers, lean_adamw_, seeds
+from slidefusion.offload.lean import LeanBuffers, lean_adamw_, prepared_kernel, seeds
 from slidefusion.offload.planner import parse_bytes
 from slidefusion.offload.transfer import Worker
 from slidefusion.optim import OptimConfig
@@ -177,13 +180,14 @@ def _alternate(runners: dict, args, batch, loss=_loss, samples: dict | None = No
     times, peak = {name: [] for name in runners}, {name: 0 for name in runners}
     if samples is not None:
         samples.update(times)
+    cpu = {name: [] for name in runners}  # process CPU seconds (every thread): the work, less a shared machine's waits
     cuda = torch.device(args.device).type == "cuda"
     for repeat in range(args.repeats + 1):
         for name, runner in runners.items():
             _sync(args.device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps_per_round):  # consecutive steps: the engine's deferred updates
                 runner.train_step(lambda m: loss(m, batch))  # overlap its own next step, as in training
             if isinstance(runner, OffloadEngine):
@@ -191,8 +195,10 @@ def _alternate(runners: dict, args, batch, loss=_loss, samples: dict | None = No
             _sync(args.device)
             if repeat >= 1:
                 times[name].append((time.perf_counter() - start) / args.steps_per_round)
+                cpu[name].append((time.process_time() - start_cpu) / args.steps_per_round)
             if cuda:
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+    peak["cpu_s"] = {name: statistics.median(t) for name, t in cpu.items()}
     return {name: statistics.median(t) for name, t in times.items()}, peak
 
 
@@ -202,7 +208,9 @@ def _engine_facts(engine: OffloadEngine) -> dict:
             "exposed_fraction": s.exposed_optimizer_s / max(s.optimizer_s, 1e-12),
             "exposed_transfer_s_per_step": s.exposed_transfer_s / s.steps, "h2d_bytes_per_step": s.h2d_bytes / s.steps,
             "d2h_bytes_per_step": s.d2h_bytes / s.steps, "peak_device_param_bytes": s.peak_device_param_bytes,
-            "host_bytes_per_param": s.host_bytes_per_param, "host_state_bytes": s.host_state_bytes}
+            "host_bytes_per_param": s.host_bytes_per_param, "host_state_bytes": s.host_state_bytes,
+            # CPU copy threads: seconds a step keeps them busy, on the cores the compute also needs
+            "copy_thread_s_per_step": sum(c.worker.busy_s for c in (engine.h2d, engine.d2h) if hasattr(c, "worker")) / s.steps}
 
 
 def bench_step(args) -> dict:
@@ -214,11 +222,13 @@ def bench_step(args) -> dict:
         elif name != "offloaded, no prefetch" or cuda:  # on CPU copies and compute share the cores
             runners[name] = _engine(args, OFFLOADED[name])
     medians, peak = _alternate(runners, args, _batch(args, args.device))
+    cpu_s = peak.pop("cpu_s")
     params = sum(p.numel() for p in next(iter(runners.values())).model.parameters())
     t, h, w = (int(s) for s in args.latent.split("x"))
     per_sample = t * (h // 2) * (w // 2)
     result = {"params": params, "blocks": args.depth, "tokens": args.batch * per_sample, "dtype": args.dtype,
               "device": args.device, "checkpointing": "every block boundary, all runners", "median_s": medians,
+              "median_process_cpu_s": cpu_s,
               "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
     for runner in runners.values():
         if isinstance(runner, OffloadEngine):
@@ -227,6 +237,12 @@ def bench_step(args) -> dict:
     if resident:
         result["fastest_resident"] = min(resident, key=resident.get)
         result["ratio_to_fastest_resident"] = {n: s / resident[result["fastest_resident"]] for n, s in medians.items()}
+    if "offloaded, copy threads" in medians:
+        # On a CPU device "offloaded" computes in place (nothing to copy, so nothing residency could
+        # save); resident blocks need the copying engine, so that is their comparison.
+        copying = "offloaded, copy threads"
+        result["ratio_to_copy_threads"] = {n: medians[n] / medians[copying] for n in medians if "resident blocks" in n}
+        result["cpu_ratio_to_copy_threads"] = {n: cpu_s[n] / cpu_s[copying] for n in result["ratio_to_copy_threads"]}
     # Model FLOPs (recompute not counted, as MFU does): 6 per parameter and token, plus dense self-
     # attention's 4 N^2 C per block forward, x3 for forward + backward.
     flops = 6 * params * result["tokens"] + 12 * args.depth * args.batch * per_sample ** 2 * args.hidden
@@ -243,7 +259,8 @@ def bench_residency(args) -> dict:
     bandwidth = parse_bytes(args.bandwidth, "--bandwidth")
     counts = sorted({0, args.depth // 2, args.depth})
     runners = {f"resident_blocks={n}": _engine(args, {"resident_blocks": n, "zero_copy": False}, bandwidth) for n in counts}
-    medians, _ = _alternate(runners, args, _batch(args, args.device))
+    medians, peak = _alternate(runners, args, _batch(args, args.device))
+    peak.pop("cpu_s")
     facts = {name: _engine_facts(r) for name, r in runners.items()}
     for runner in runners.values():
         runner.close()
@@ -280,17 +297,31 @@ def bench_wan(args) -> dict:
 # -- optimizer throughput -------------------------------------------------------------------------
 
 
-def _alternating(fns: dict, repeats: int) -> dict:
-    """Median seconds of each callable, timed in alternating rounds after one warm-up call each."""
+def _alternating(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Median wall and calling-thread CPU seconds of each callable, timed in alternating rounds after
+    one warm-up call each. On a shared machine the CPU time is the figure to compare: it leaves out
+    the time the thread waited for a core (but not other processes' use of the memory bus)."""
     for fn in fns.values():
         fn()  # page in, build kernels
-    samples = {name: [] for name in fns}
+    wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            cpu[name].append(time.thread_time() - start_cpu)
+            wall[name].append(time.perf_counter() - start)
+    return ({name: statistics.median(s) for name, s in wall.items()}, {name: statistics.median(s) for name, s in cpu.items()})
+
+
+def _in_cache(cfg, master: str, moments: str, n: int = 32 * QBLOCK, calls: int = 100):
+    """The kernel's compute-bound time: `calls` updates of n cache-resident parameters (n * 10-20 B
+    of state fits L2), seconds per call of the n parameters."""
+    call = prepared_kernel(_lean_buffers(n, master, moments), 1, 1e-4, cfg, 1.0, seeds(0, 1, 0))
+
+    def run():
+        for _ in range(calls):
+            call()
+    return lambda: run() and None, n * calls
 
 
 def _lean_buffers(n: int, master: str, moments: str) -> LeanBuffers:
@@ -326,6 +357,7 @@ def bench_optimizer(args) -> dict:
     p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
     g16, c16, g32, c32 = torch.randn(n).bfloat16(), torch.empty(n, dtype=torch.bfloat16), torch.randn(n), torch.empty(n)
     fns, moved, floors = {}, {}, {}  # name -> callable, bytes moved per parameter, the floor's name
+    cached = {}  # "in cache, <kernel>" -> parameters updated per call
     ours = partial(adamw_parallel_, step=1, lr=1e-4, cfg=cfg, threads=args.optimizer_threads)
     fns["fp32/fp32 fast (bf16 grad -> bf16 copy)"] = lambda: ours(p, g16, m, v, c16, exact=False)
     fns["fp32/fp32 exact (fp32 grad -> fp32 copy)"] = _on_worker(lambda: ours(p, g32, m, v, c32, exact=True))
@@ -343,6 +375,7 @@ def bench_optimizer(args) -> dict:
             fns[name] = partial(lean_adamw_, b, 1, 1e-4, cfg, 1.0, seeds(0, 1, 0), args.optimizer_threads)
             moved[name] = update_bytes_per_param(torch.bfloat16, dtype_master, moments, "kahan" if master == "kahan" else "stochastic")
             fns[f"floor, {name}"], moved[f"floor, {name}"], floors[name] = _floor(lib, b), moved[name], f"floor, {name}"
+            fns[f"in cache, {name}"], cached[f"in cache, {name}"] = _in_cache(cfg, master, moments)
             keep.append(b)
     for name, options in (("torch AdamW fused=True (fp32, no copy)", {"fused": True}),
                           ("torch AdamW default (fp32, no copy)", {})):
@@ -355,13 +388,23 @@ def bench_optimizer(args) -> dict:
     if callable(deepspeed):
         name = "DeepSpeed CPUAdam (fp32, no copy)"
         fns[name], moved[name], floors[name] = deepspeed, 28, "floor, 28 B/param" if lib is not None else None
-    seconds = _alternating(fns, args.repeats)
-    result = {"params": n, "threads": torch.get_num_threads(), "our_threads": args.optimizer_threads, "kernels": {}}
+    wall, cpu = _alternating(fns, args.repeats)
+    # Another thread's work shows in wall time only: the exact kernel's worker, our threads > 1.
+    elsewhere = {name for name in fns if "exact" in name or (args.optimizer_threads > 1 and "/" in name and "floor" not in name)}
+    result = {"params": n, "threads": torch.get_num_threads(), "our_threads": args.optimizer_threads, "kernels": {},
+              "timing": "median CPU time of the calling thread (wall time where the work runs on other threads)"}
+    seconds = {name: wall[name] if name in elsewhere else cpu[name] for name in fns}
     for name, t in seconds.items():
+        if name in cached:
+            continue
         floor = seconds.get(floors.get(name) or "", None)
         fraction = floor * moved[name] / moved[floors[name]] / t if floor else None
-        result["kernels"][name] = {"seconds": t, "ns_per_param": t / n * 1e9, "bytes_per_param": moved[name],
-                                   "gb_per_s": moved[name] * n / t / 1e9, "fraction_of_floor": fraction}
+        result["kernels"][name] = {"seconds": t, "wall_seconds": wall[name], "ns_per_param": t / n * 1e9,
+                                   "bytes_per_param": moved[name], "gb_per_s": moved[name] * n / t / 1e9,
+                                   "fraction_of_floor": fraction}
+        if f"in cache, {name}" in cached:  # compute alone: the most of the floor this arithmetic allows on one core
+            compute = seconds[f"in cache, {name}"] / cached[f"in cache, {name}"]
+            result["kernels"][name].update(in_cache_ns_per_param=compute * 1e9, compute_allows=min(1.0, floor / n / compute))
     result["deepspeed"] = "measured" if callable(deepspeed) else deepspeed
     return result
 
@@ -394,11 +437,15 @@ def table(results: dict) -> str:
             mfu = f"MFU {s['mfu'][name]:.1%}" if "mfu" in s else ""
             peak = f"peak {s['peak_device_bytes'][name] / 2**30:.1f} GiB" if "peak_device_bytes" in s else ""
             host = f"host {s['engine'][name]['host_bytes_per_param']:.2f} B/param" if name in s["engine"] else ""
-            lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   {ratio} {host} {mfu} {peak}")
+            cpu = f"process CPU {s['median_process_cpu_s'][name] * 1e3:.0f} ms" if "median_process_cpu_s" in s else ""
+            lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   {ratio} {cpu} {host} {mfu} {peak}")
+        for name, ratio in s.get("ratio_to_copy_threads", {}).items():
+            lines.append(f"  {name:<32} x{ratio:.3f} of the copying engine (process CPU x{s['cpu_ratio_to_copy_threads'][name]:.3f})")
         for name, e in s["engine"].items():
             lines.append(f"  {name:<32} optimizer {e['optimizer_s_per_step'] * 1e3:.1f} ms/step, exposed "
                          f"{e['exposed_optimizer_s_per_step'] * 1e3:.2f} ms ({e['exposed_fraction']:.1%}); "
-                         f"transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.2f} ms")
+                         f"transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.2f} ms; copy threads busy "
+                         f"{e['copy_thread_s_per_step'] * 1e3:.1f} ms")
     if "residency" in results:
         r = results["residency"]
         lines.append(f"transfer-bound: copies at {r['bandwidth_bytes_s'] / 1e9:.3g} GB/s")
@@ -410,9 +457,12 @@ def table(results: dict) -> str:
         lines += offload_wan.table(results["wan"])
     if "optimizer" in results:
         o = results["optimizer"]
-        lines.append(f"AdamW step over {o['params'] / 1e6:.0f} M parameters, torch {o['threads']} thread(s), ours {o['our_threads']}")
+        lines.append(f"AdamW step over {o['params'] / 1e6:.0f} M parameters, torch {o['threads']} thread(s), ours "
+                     f"{o['our_threads']}; {o['timing']}")
         for name, k in o["kernels"].items():
             floor = f"{k['fraction_of_floor']:.0%} of its floor" if k["fraction_of_floor"] else ""
+            if "in_cache_ns_per_param" in k:
+                floor += f"; in cache {k['in_cache_ns_per_param']:.3f} ns/param: compute allows {k['compute_allows']:.0%}"
             lines.append(f"  {name:<44} {k['seconds'] * 1e3:8.2f} ms {k['ns_per_param']:6.3f} ns/param "
                          f"{k['bytes_per_param']:5.1f} B {k['gb_per_s']:6.1f} GB/s  {floor}")
         if o["deepspeed"] != "measured":

@@ -16,6 +16,7 @@ from slidefusion.offload.lean import (
     dequantize,
     lean_adamw_,
     lean_adamw_reference_,
+    prepared_kernel,
     quantize,
     round_bf16_stochastic,
     seeds,
@@ -78,6 +79,20 @@ def test_threaded_update_is_identical_to_one_call(master, moments):
         lean_adamw_(one, step, 1e-3, CFG, 1.0, seeds(0, step, 0), threads=1)
         lean_adamw_(split, step, 1e-3, CFG, 1.0, seeds(0, step, 0), threads=3)
     assert all(torch.equal(a, b) for a, b in zip(_state(one), _state(split)))
+
+
+@needs_c
+@pytest.mark.parametrize("master, moments", [("bf16", "int8"), ("bf16", "bf16")])
+def test_prepared_kernel_is_one_update(master, moments):
+    """The benchmarks' pre-built call applies exactly the update `lean_adamw_` does."""
+    torch.manual_seed(2)
+    p0 = torch.randn(sum(SIZES))
+    once, prepared = (_buffers(master, moments, torch.bfloat16, p0, SIZES) for _ in range(2))
+    once.grad = prepared.grad = torch.randn(p0.numel()).bfloat16()
+    lean_adamw_(once, 1, 1e-3, CFG, 1.0, seeds(0, 1, 0))
+    prepared_kernel(prepared, 1, 1e-3, CFG, 1.0, seeds(0, 1, 0))()
+    assert all(torch.equal(a, b) for a, b in zip(_state(once), _state(prepared)))
+    assert not torch.equal(once.master, p0.bfloat16())
 
 
 def test_8bit_codes_land_in_the_bin_holding_the_value():

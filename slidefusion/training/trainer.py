@@ -104,7 +104,8 @@ class Trainer:
         data = config.data
         options = dict(kind=data.kind, frames=data.frames, height=data.height, width=data.width)
         if data.kind == "shapes":
-            options.update(num_samples=data.num_samples, seed=data.seed, max_objects=data.max_objects)
+            options.update(num_samples=data.num_samples, seed=data.seed, max_objects=data.max_objects,
+                           start=data.start)
         else:
             options.update(root=data.root, stride=data.stride)
         self.dataset = build_dataset(**options)

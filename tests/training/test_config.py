@@ -51,3 +51,12 @@ def test_shipped_configs_load():
 
     for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
         load_config(path)
+
+
+def test_data_start_and_pooled_text_defaults_keep_the_old_behaviour():
+    config = load_config(None)
+    assert config.data.start == "uniform" and config.model.pooled_text is False
+    config = load_config(None, ["data.start=clear", "model.pooled_text=true"])
+    assert config.data.start == "clear" and config.model.pooled_text is True
+    with pytest.raises(UserError, match="data.start='late' is unknown; valid: uniform, clear"):
+        load_config(None, ["data.start=late"])

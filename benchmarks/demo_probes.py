@@ -1,6 +1,6 @@
 """Why does a moving-shapes model follow colour but not direction or shape? Cheap probes (issue 16).
 
-Each probe prints a table and adds its numbers to OUT/demo-probes.json:
+Each probe prints a table and adds its numbers to OUT/demo-probes-TAG.json:
   data       the training data's bounce rate: how often a clip captioned "moving X" ends up, after
              its frames, displaced along X (net heading = caption) or mostly against X.
   text       MiniLM token states of captions that differ in one attribute only: relative L2
@@ -271,12 +271,13 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20, help="Euler steps for the swap probe")
     p.add_argument("--data-clips", type=int, default=20000)
     p.add_argument("--out", default="outputs/benchmarks")
+    p.add_argument("--tag", help="names the JSON, OUT/demo-probes-TAG.json (default: the checkpoint folder's name)")
     args = p.parse_args(argv)
     from slidefusion.pipeline import VideoPipeline
 
     torch.set_grad_enabled(False)
     pipe = VideoPipeline.from_checkpoint(None if args.checkpoint == "bundled" else args.checkpoint)
-    path = Path(args.out) / f"demo-probes-{Path(args.checkpoint).name}.json"
+    path = Path(args.out) / f"demo-probes-{args.tag or Path(args.checkpoint).name}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     results.update(checkpoint=args.checkpoint, torch=torch.__version__, threads=torch.get_num_threads())
     for name in args.probes:

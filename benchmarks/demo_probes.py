@@ -17,6 +17,14 @@ Each probe prints a table and adds its numbers to OUT/demo-probes-TAG.json:
              (and up/down vertical), and how much the video changes (mean |pixel| difference)
              when the direction, the colour, or the whole text (states zeroed) changes.
   timesteps  the share of training flow times above 0.8 / 0.9 for logit-normal laws.
+  oracle     what an ideal (Bayes) denoiser gains from each caption part, for comparison with
+             `loss`: E[x0 | x_t, caption] by importance sampling over --oracle-candidates scenes that
+             fit the caption (sizes and starts drawn as the data draws them), flow loss with the
+             caption changed minus with the true caption. Finite sampling makes the absolute gaps
+             rough; their order is what counts.
+  flow       where the caption reaches the video tokens: for a fixed x_t, the spread across the 8
+             colours, 4 shapes or 8 directions of each block's output (variance across prompts over
+             mean square), block by block and at the velocity head.
 
     python benchmarks/demo_probes.py --checkpoint bundled          # every probe (~5 min, 2 cores)
     python benchmarks/demo_probes.py --checkpoint runs/X --probes loss swap
@@ -35,22 +43,35 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slidefusion.data.shapes import COLORS, DIRECTIONS, SHAPES, MovingShapes, caption, object_centers  # noqa: E402
+from slidefusion.data.shapes import (  # noqa: E402
+    COLORS,
+    DIRECTIONS,
+    SHAPES,
+    SIZE_RANGE,
+    START_RANGE,
+    MovingShapes,
+    ShapeObject,
+    ShapeScene,
+    caption,
+    object_centers,
+    render,
+    with_clear_path,
+)
+from slidefusion.data.video_io import from_uint8  # noqa: E402
 from slidefusion.eval import detect  # noqa: E402
 from slidefusion.eval.evaluate import PROMPT_SEED  # noqa: E402
 
 OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up", "up-left": "down-right",
             "down-right": "up-left", "up-right": "down-left", "down-left": "up-right"}
-PROBES = ("data", "text", "loss", "attention", "swap", "timesteps")
+PROBES = ("data", "text", "loss", "attention", "swap", "timesteps", "oracle", "flow")
 
 
 def probe_data(args, pipe) -> dict:
     """Bounce statistics of the training distribution (the pipeline's data config, or 32x32x8)."""
     data_cfg = pipe.config.data if pipe else None
     frames, height, width = (data_cfg.frames, data_cfg.height, data_cfg.width) if data_cfg else (8, 32, 32)
-    start = getattr(data_cfg, "start", "uniform") if data_cfg else "uniform"
-    kwargs = {} if start == "uniform" else {"start": start}
-    data = MovingShapes(args.data_clips, frames, height, width, seed=0, max_objects=1, **kwargs)
+    start = data_cfg.start if data_cfg else "uniform"
+    data = MovingShapes(args.data_clips, frames, height, width, seed=0, max_objects=1, start=start)
     names = list(DIRECTIONS)
     units = np.array([DIRECTIONS[n] for n in names])
     out: dict[str, dict] = {}
@@ -109,7 +130,8 @@ def probe_text(args, pipe) -> dict:
 
 def _held_out(pipe, num: int):
     data_cfg = pipe.config.data
-    data = MovingShapes(num, data_cfg.frames, data_cfg.height, data_cfg.width, seed=PROMPT_SEED, max_objects=1)
+    data = MovingShapes(num, data_cfg.frames, data_cfg.height, data_cfg.width, seed=PROMPT_SEED, max_objects=1,
+                        start=data_cfg.start)  # clips as the model was trained on them
     scenes = [data.scene(i) for i in range(num)]
     return scenes, torch.stack([data[i]["video"] for i in range(num)])
 
@@ -261,6 +283,87 @@ def probe_timesteps(args, pipe) -> dict:
     return out
 
 
+def _candidates(obj, background: str, count: int, start: str, clip, rng) -> torch.Tensor:
+    """`count` rendered clips (K, 3, T, H, W) with `obj`'s caption words and fresh sizes and starts."""
+    frames, height, width = clip
+    videos = []
+    for _ in range(count):
+        cand = replace(obj, size=float(rng.uniform(*SIZE_RANGE)), start_y=float(rng.uniform(*START_RANGE)),
+                       start_x=float(rng.uniform(*START_RANGE)))
+        cand = with_clear_path(cand, frames, height, width) if start == "clear" else cand
+        videos.append(from_uint8(render(ShapeScene((cand,), background), frames, height, width)))
+    return torch.stack(videos)
+
+
+def _bayes_loss(xt, noise, x0, t, candidates) -> float:
+    """Flow loss of the posterior-mean velocity over `candidates` (a prior sample) given x_t."""
+    log_w = -((xt - (1 - t) * candidates) ** 2).flatten(1).sum(1) / (2 * t * t)
+    x0_hat = (torch.softmax(log_w, 0)[:, None, None, None, None] * candidates).sum(0)
+    return (((xt - x0_hat) / t - (noise - x0)) ** 2).mean().item()  # v = noise - x0 = (x_t - x0) / t
+
+
+@torch.no_grad()
+def probe_oracle(args, pipe) -> dict:
+    data_cfg = pipe.config.data
+    clip = (data_cfg.frames, data_cfg.height, data_cfg.width)
+    scenes, x0s = _held_out(pipe, args.oracle_clips)
+    colours, rng, out = list(COLORS), np.random.default_rng(0), {}
+    changes = {"colour changed": lambda o: replace(o, color=colours[(colours.index(o.color) + 3) % len(colours)]),
+               "shape changed": lambda o: replace(o, shape=SHAPES[(SHAPES.index(o.shape) + 1) % len(SHAPES)]),
+               "direction reversed": lambda o: replace(o, direction=OPPOSITE[o.direction])}
+    print(f"\n## oracle: an ideal denoiser's flow-loss gap when the caption is changed ({args.oracle_clips} clips, "
+          f"{args.oracle_candidates} candidate scenes per caption, start={data_cfg.start})")
+    print("| t | ideal loss, true caption | " + " | ".join(changes) + " |\n|" + "---|" * (len(changes) + 2))
+    for t in args.oracle_times:
+        noise_gen, gaps, bases = torch.Generator().manual_seed(1), {k: [] for k in changes}, []
+        for scene, x0 in zip(scenes, x0s):
+            noise = torch.randn(x0.shape, generator=noise_gen)
+            xt, obj = (1 - t) * x0 + t * noise, scene.objects[0]
+            def loss(o):
+                return _bayes_loss(xt, noise, x0, t, _candidates(o, scene.background, args.oracle_candidates, data_cfg.start, clip, rng))
+            bases.append(loss(obj))
+            for name, change in changes.items():
+                gaps[name].append(loss(change(obj)) - bases[-1])
+        out[str(t)] = {"true": float(np.mean(bases)), **{k: float(np.mean(v)) for k, v in gaps.items()}}
+        print(f"| {t} | {out[str(t)]['true']:.5f} | " + " | ".join(f"+{out[str(t)][k]:.5f}" for k in changes) + " |")
+    return out
+
+
+def _flow_prompts(part: str) -> list[str]:
+    if part == "colour":
+        return [_caption(color=c) for c in COLORS]
+    if part == "shape":
+        return [_caption(shape=s) for s in SHAPES]
+    return [_caption(direction=d) for d in DIRECTIONS]
+
+
+@torch.no_grad()
+def probe_flow(args, pipe) -> dict:
+    model, out = pipe.model, {}
+    _, x0s = _held_out(pipe, 4)
+    print("\n## flow: spread of each block's output across prompts differing in one part (fixed x_t; 4 clips)")
+    print("| t | part | " + " | ".join(f"block {i}" for i in range(len(model.blocks))) + " | velocity |\n|"
+          + "---|" * (len(model.blocks) + 3))
+    for t in (0.5, 0.9, 0.99):
+        for part in ("colour", "shape", "direction"):
+            prompts = _flow_prompts(part)
+            states, mask = pipe.text_encoder.encode(prompts)
+            spread = torch.zeros(len(model.blocks) + 1)
+            for i, x0 in enumerate(x0s):
+                noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(i))
+                xt = ((1 - t) * x0 + t * noise)[None].expand(len(prompts), -1, -1, -1, -1)
+                tokens, c, context = model.embed(xt, torch.full((len(prompts),), t), states, mask)
+                outputs = []
+                for block in model.blocks:
+                    tokens = block(tokens, c, context, mask)
+                    outputs.append(tokens)
+                outputs.append(model.head(tokens, c))
+                spread += torch.tensor([(h.var(0).mean() / h.pow(2).mean()).item() for h in outputs]) / len(x0s)
+            out[f"t={t}, {part}"] = spread.tolist()
+            print(f"| {t} | {part} | " + " | ".join(f"{v:.1e}" for v in spread.tolist()) + " |")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default="bundled", help="checkpoint or run folder, or 'bundled'")
@@ -270,6 +373,9 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=8, help="seeds for the swap probe")
     p.add_argument("--steps", type=int, default=20, help="Euler steps for the swap probe")
     p.add_argument("--data-clips", type=int, default=20000)
+    p.add_argument("--oracle-clips", type=int, default=12)
+    p.add_argument("--oracle-candidates", type=int, default=1500)
+    p.add_argument("--oracle-times", type=float, nargs="+", default=[0.8, 0.9, 0.95, 0.99])
     p.add_argument("--out", default="outputs/benchmarks")
     p.add_argument("--tag", help="names the JSON, OUT/demo-probes-TAG.json (default: the checkpoint folder's name)")
     args = p.parse_args(argv)

@@ -175,7 +175,7 @@ def _clear_start(u: float, d: float, travel: float, r: float, side: int) -> floa
     return (lo_px + (u - lo) / (hi - lo) * (hi_px - lo_px)) / side
 
 
-def _with_clear_path(obj: ShapeObject, frames: int, height: int, width: int) -> ShapeObject:
+def with_clear_path(obj: ShapeObject, frames: int, height: int, width: int) -> ShapeObject:
     """`obj` moved (same caption, same size) so that its first bounce comes after `frames` frames."""
     r = radius_px(obj, height, width)
     travel = SPEEDS[obj.speed] * min(height, width) * (frames - 1)  # pixels along the direction
@@ -203,7 +203,7 @@ def sample_scene(
     colors = rng.choice(len(COLORS), size=count, replace=False)
     objects = tuple(_sample_object(rng, list(COLORS)[c]) for c in colors)
     if start == "clear":
-        objects = tuple(_with_clear_path(o, *clip) for o in objects)
+        objects = tuple(with_clear_path(o, *clip) for o in objects)
     return ShapeScene(objects=objects, background=allowed[rng.integers(len(allowed))])
 
 

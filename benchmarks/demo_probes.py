@@ -361,6 +361,25 @@ def probe_flow(args, pipe) -> dict:
                 spread += torch.tensor([(h.var(0).mean() / h.pow(2).mean()).item() for h in outputs]) / len(x0s)
             out[f"t={t}, {part}"] = spread.tolist()
             print(f"| {t} | {part} | " + " | ".join(f"{v:.1e}" for v in spread.tolist()) + " |")
+    out["projection"] = _projection_distances(pipe)
+    return out
+
+
+def _projection_distances(pipe) -> dict:
+    """Relative distance of two captions' token states at MiniLM's output, after the model's text
+    projection, and as block 0's cross-attention values: what the text pathway keeps or shrinks."""
+    model, out = pipe.model, {}
+    print("\n| caption pair (base: red circle, right, black) | MiniLM states | text projection | block 0 values |\n|---|---|---|---|")
+    rel = lambda a, b: float((a - b).norm() / a.norm())  # noqa: E731
+    for part, change in (("colour", dict(color="blue")), ("shape", dict(shape="square")),
+                         ("direction", dict(direction="left")), ("background", dict(background="gray"))):
+        states, mask = pipe.text_encoder.encode([_caption(), _caption(**change)])
+        a, b = states[0][mask[0]], states[1][mask[1]]
+        pa, pb = model.text_proj(a), model.text_proj(b)
+        kv = model.blocks[0].cross_attn.kv
+        va, vb = kv(pa)[:, model.config.hidden:], kv(pb)[:, model.config.hidden:]
+        out[part] = {"minilm": rel(a, b), "text_proj": rel(pa, pb), "values": rel(va, vb)}
+        print(f"| {part} | {rel(a, b):.3f} | {rel(pa, pb):.3f} | {rel(va, vb):.3f} |")
     return out
 
 

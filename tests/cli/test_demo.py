@@ -22,7 +22,7 @@ def test_demo_writes_mp4_gif_and_a_labelled_grid(tmp_path):
     assert main(["demo", "--steps", "3", "--out", str(out), "--quiet"]) == 0
     assert out.stat().st_size > 0 and out.with_suffix(".gif").stat().st_size > 0
     grid = read_video(tmp_path / "demo-grid.gif")  # (T, H, W, 3) uint8
-    rows, columns = -(-len(GRID_PROMPTS) // 3), 3
+    rows, columns = -(-len(GRID_PROMPTS) // 2), 2
     assert grid.shape == (8, rows * (32 * CELL_SCALE + LABEL_HEIGHT + GAP) + GAP,
                           columns * (32 * CELL_SCALE + GAP) + GAP, 3)
     label_band = grid[0, GAP + 32 * CELL_SCALE:GAP + 32 * CELL_SCALE + LABEL_HEIGHT, GAP:GAP + 32 * CELL_SCALE]

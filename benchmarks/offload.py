@@ -1,16 +1,21 @@
-"""Offload engine benchmark: step time offloaded vs resident, CPU AdamW throughput, exposure.
+"""Offload engine benchmark: step time offloaded vs the fastest resident run, per host-state mode and
+with resident blocks; CPU AdamW kernels against their bandwidth floors.
 
-Three measurements, side by side in one run, alternating, after warm-up, medians quoted:
-  step        one training step of a >= 8-block DiT3D: resident (torch AdamW as the trainer
-              uses it, and with fused=True) vs offloaded
-              (OffloadEngine), both with activation checkpointing at every block boundary, the
-              resident one through torch.utils.checkpoint hooks on the unchanged model. Also the
-              engine with max_grad_norm (deferred updates) and, on CUDA, without async prefetch.
-  optimizer   one AdamW step over N parameters: our fast and exact kernels (bf16 / fp32 gradients
-              in, compute copy out), torch's fused CPU AdamW, torch's default AdamW, DeepSpeed's
-              CPUAdam when importable, and the bandwidth floor (a kernel moving the same bytes as
-              ours, with no arithmetic).
-  exposure    optimizer seconds the compute thread waited for, as a fraction of optimizer seconds.
+Measurements, side by side in one run, alternating, after warm-up, medians quoted:
+  step        one training step of a >= 8-block DiT3D, every runner with activation checkpointing at
+              every block boundary (the resident ones through torch.utils.checkpoint hooks on the
+              unchanged model). Resident anchors: torch AdamW single-tensor (the default on CPU),
+              foreach=True and fused=True; the fastest of them is "the fastest resident". Offloaded:
+              the engine in each host-state mode (master fp32|bf16, moments fp32|bf16|int8), with
+              max_grad_norm (deferred updates), with resident blocks, and on CUDA without prefetch.
+              On a CPU device the engine computes from its host buffers in place; "copy threads"
+              is the engine copying through threads as it would over PCIe (the race tests' mode).
+  residency   a transfer-bound configuration: the CPU copy threads throttled to --bandwidth, the
+              engine with 0, half and all blocks resident.
+  optimizer   one AdamW step over N parameters: our kernels in every mode against the bandwidth
+              floor for their own byte count (a kernel moving the same bytes with no arithmetic),
+              torch's fused and default AdamW, DeepSpeed's CPUAdam when importable. The exact
+              kernel runs on a background thread, as in the engine (torch on one core there).
 Writes a table on stdout and JSON (with the machine facts) to OUT/offload.json.
 
     python benchmarks/offload.py --quick            # smoke run, ~1 minute on 2 cores
@@ -19,6 +24,7 @@ Writes a table on stdout and JSON (with the machine facts) to OUT/offload.json.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -34,11 +40,23 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slidefusion.models import build_model, preset
-from slidefusion.offload import OffloadEngine, kernels
-from slidefusion.offload.adam import AdamWConfig, adamw_parallel_
+from slidefusion.offload import OffloadEngine, OffloadPolicy, kernels
+from slidefusion.offload.adam import adamw_parallel_
+from slidefusion.offload.formats import QBLOCK, update_bytes_per_param
+from slidefusion.offload.lean import LeanBuffers, lean_adamw_, seeds
+from slidefusion.offload.planner import parse_bytes
+from slidefusion.offload.transfer import Worker
+from slidefusion.optim import OptimConfig
 
-RUNNERS = {"resident": None, "resident, fused AdamW": None, "offloaded": {}, "offloaded+clip": {"max_grad_norm": 1.0},
-           "offloaded, no prefetch": {"prefetch": 0}}
+RESIDENT = {"resident": {}, "resident, foreach AdamW": {"foreach": True}, "resident, fused AdamW": {"fused": True}}
+OFFLOADED = {"offloaded": {}, "offloaded+clip": {"max_grad_norm": 1.0}, "offloaded, no prefetch": {"prefetch": 0},
+             "offloaded, copy threads": {"zero_copy": False},
+             "offloaded, bf16 moments": {"moments": "bf16"}, "offloaded, int8 moments": {"moments": "int8"},
+             "offloaded, bf16 master": {"master": "bf16"}, "offloaded, bf16 master + int8": {"master": "bf16", "moments": "int8"},
+             "offloaded, 4 resident blocks": {"resident_blocks": 4, "zero_copy": False}}
+RUNNERS = [*RESIDENT, *OFFLOADED]
+MODES = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("bf16", "fp32"), ("bf16", "bf16"), ("bf16", "int8"),
+         ("kahan", "bf16"), ("kahan", "int8")]
 
 
 def parse_args(argv=None):
@@ -55,9 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--params", type=float, default=16e6, help="parameters in the optimizer benchmark")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak, for MFU (CUDA)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["step", "optimizer"], help="sections to leave out")
-    p.add_argument("--runners", nargs="*", default=list(RUNNERS), choices=list(RUNNERS),
+    p.add_argument("--skip", nargs="*", default=[], choices=["step", "residency", "optimizer"], help="sections to leave out")
+    p.add_argument("--runners", nargs="*", default=[r for r in RUNNERS if r != "offloaded, no prefetch"], choices=RUNNERS,
                    help="step-time runners (each engine holds its own host state: leave some out for big models)")
+    p.add_argument("--bandwidth", default="250MB/s", help="the residency section's copy bandwidth (CPU): low enough to be transfer-bound")
     p.add_argument("--optimizer-threads", type=int, default=1, help="threads for our kernels in the optimizer section")
     p.add_argument("--out", default="runs/benchmarks/offload", help="folder for offload.json")
     args = p.parse_args(argv)
@@ -74,7 +93,8 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     facts = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-             "python": platform.python_version(), "c_kernels": kernels.load() is not None}
+             "python": platform.python_version(), "c_kernels": kernels.load() is not None,
+             "load_average": os.getloadavg()}
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
     return facts
@@ -105,17 +125,14 @@ def _loss(model, batch):
     return (model(x, t, context) - x).pow(2).mean()
 
 
-def _checkpoint_blocks(model) -> None:
-    """The resident baseline's checkpointing: the same block boundaries, set from outside."""
-    for block in model.blocks:
-        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
-
-
 class Resident:
-    def __init__(self, model, device, dtype, fused=None):
+    """The unchanged model on the device, checkpointed at the same block boundaries from outside."""
+
+    def __init__(self, model, device, dtype, **adamw):
         self.model, self.dtype, self.device = model.to(device), dtype, torch.device(device)
-        _checkpoint_blocks(model)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+        for block in model.blocks:
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw)
 
     def train_step(self, loss_fn) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -126,25 +143,30 @@ class Resident:
         return loss.item()
 
 
+def _engine(args, options: dict, bandwidth: float | None = None) -> OffloadEngine:
+    options = dict(options)
+    optim = OptimConfig(lr=1e-4, max_grad_norm=options.pop("max_grad_norm", None), warmup_steps=0, ema_decay=None)
+    if options.get("master") == "kahan":
+        options.update(master="bf16", rounding="kahan")
+    model = _model(args)
+    engine = OffloadEngine(model, model.blocks, OffloadPolicy(device=args.device, compute_dtype=getattr(torch, args.dtype),
+                                                               optim=optim, **options))
+    for copier in (engine.h2d, engine.d2h):
+        if bandwidth and hasattr(copier, "set_bandwidth"):
+            copier.set_bandwidth(bandwidth)
+    return engine
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
-def bench_step(args) -> dict:
-    dtype = getattr(torch, args.dtype)
-    batch = _batch(args, args.device)
-    runners = {}
-    options = {"device": args.device, "compute_dtype": dtype, "lr": 1e-4}
-    for name in args.runners:
-        if name.startswith("resident"):
-            runners[name] = Resident(_model(args), args.device, dtype, fused=True if "fused" in name else None)
-        elif not name.endswith("no prefetch") or torch.device(args.device).type == "cuda":
-            model = _model(args)  # (on CPU "no prefetch" shows nothing: copies and compute share cores)
-            runners[name] = OffloadEngine(model, model.blocks, **options, **RUNNERS[name])
+def _alternate(runners: dict, args, batch) -> tuple[dict, dict]:
+    """Median seconds per step of each runner, in alternating rounds after one warm-up round."""
     times, peak = {name: [] for name in runners}, {name: 0 for name in runners}
     cuda = torch.device(args.device).type == "cuda"
-    for repeat in range(args.repeats + 1):  # alternate the runners; the first round warms up
+    for repeat in range(args.repeats + 1):
         for name, runner in runners.items():
             _sync(args.device)
             if cuda:
@@ -159,38 +181,63 @@ def bench_step(args) -> dict:
                 times[name].append((time.perf_counter() - start) / args.steps_per_round)
             if cuda:
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+    return {name: statistics.median(t) for name, t in times.items()}, peak
+
+
+def _engine_facts(engine: OffloadEngine) -> dict:
+    s = engine.stats
+    return {"optimizer_s_per_step": s.optimizer_s / s.steps, "exposed_optimizer_s_per_step": s.exposed_optimizer_s / s.steps,
+            "exposed_fraction": s.exposed_optimizer_s / max(s.optimizer_s, 1e-12),
+            "exposed_transfer_s_per_step": s.exposed_transfer_s / s.steps, "h2d_bytes_per_step": s.h2d_bytes / s.steps,
+            "d2h_bytes_per_step": s.d2h_bytes / s.steps, "peak_device_param_bytes": s.peak_device_param_bytes,
+            "host_bytes_per_param": s.host_bytes_per_param, "host_state_bytes": s.host_state_bytes}
+
+
+def bench_step(args) -> dict:
+    dtype, cuda = getattr(torch, args.dtype), torch.device(args.device).type == "cuda"
+    runners = {}
+    for name in args.runners:
+        if name in RESIDENT:
+            runners[name] = Resident(_model(args), args.device, dtype, **RESIDENT[name])
+        elif name != "offloaded, no prefetch" or cuda:  # on CPU copies and compute share the cores
+            runners[name] = _engine(args, OFFLOADED[name])
+    medians, peak = _alternate(runners, args, _batch(args, args.device))
     params = sum(p.numel() for p in next(iter(runners.values())).model.parameters())
     t, h, w = (int(s) for s in args.latent.split("x"))
     per_sample = t * (h // 2) * (w // 2)
-    tokens = args.batch * per_sample
-    result = {"params": params, "blocks": args.depth, "tokens": tokens, "dtype": args.dtype, "device": args.device,
-              "checkpointing": "every block boundary, both", "median_s": {}, "engine": {}}
-    for name, samples in times.items():
-        result["median_s"][name] = statistics.median(samples)
-    for name, runner in runners.items():
+    result = {"params": params, "blocks": args.depth, "tokens": args.batch * per_sample, "dtype": args.dtype,
+              "device": args.device, "checkpointing": "every block boundary, all runners", "median_s": medians,
+              "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
+    for runner in runners.values():
         if isinstance(runner, OffloadEngine):
-            stats = runner.stats
-            result["engine"][name] = {
-                "optimizer_s_per_step": stats["optimizer_s"] / stats["steps"],
-                "exposed_optimizer_s_per_step": stats["exposed_optimizer_s"] / stats["steps"],
-                "exposed_fraction": stats["exposed_optimizer_s"] / max(stats["optimizer_s"], 1e-12),
-                "exposed_transfer_s_per_step": stats["exposed_transfer_s"] / stats["steps"],
-                "h2d_bytes_per_step": stats["h2d_bytes"] / stats["steps"], "d2h_bytes_per_step": stats["d2h_bytes"] / stats["steps"],
-                "peak_device_param_bytes": stats["peak_device_param_bytes"]}
             runner.close()
-    base = result["median_s"].get("resident")
-    result["ratio_to_resident"] = {name: s / base for name, s in result["median_s"].items()} if base else {}
-    fused = result["median_s"].get("resident, fused AdamW")
-    result["ratio_to_resident_fused"] = {name: s / fused for name, s in result["median_s"].items()} if fused else {}
+    resident = {n: s for n, s in medians.items() if n in RESIDENT}
+    if resident:
+        result["fastest_resident"] = min(resident, key=resident.get)
+        result["ratio_to_fastest_resident"] = {n: s / resident[result["fastest_resident"]] for n, s in medians.items()}
     # Model FLOPs (recompute not counted, as MFU does): 6 per parameter and token, plus dense self-
     # attention's 4 N^2 C per block forward, x3 for forward + backward.
-    flops = 6 * params * tokens + 12 * args.depth * args.batch * per_sample ** 2 * args.hidden
+    flops = 6 * params * result["tokens"] + 12 * args.depth * args.batch * per_sample ** 2 * args.hidden
     result["flops_per_step"] = flops
     if cuda:
         result["peak_device_bytes"] = peak
     if args.peak_tflops:
-        result["mfu"] = {name: flops / s / (args.peak_tflops * 1e12) for name, s in result["median_s"].items()}
+        result["mfu"] = {name: flops / s / (args.peak_tflops * 1e12) for name, s in medians.items()}
     return result
+
+
+def bench_residency(args) -> dict:
+    """Transfer-bound on a CPU: copies throttled to --bandwidth; 0, half and all blocks resident."""
+    bandwidth = parse_bytes(args.bandwidth, "--bandwidth")
+    counts = sorted({0, args.depth // 2, args.depth})
+    runners = {f"resident_blocks={n}": _engine(args, {"resident_blocks": n, "zero_copy": False}, bandwidth) for n in counts}
+    medians, _ = _alternate(runners, args, _batch(args, args.device))
+    facts = {name: _engine_facts(r) for name, r in runners.items()}
+    for runner in runners.values():
+        runner.close()
+    base = medians["resident_blocks=0"]
+    return {"bandwidth_bytes_s": bandwidth, "median_s": medians, "speedup": {n: base / s for n, s in medians.items()},
+            "engine": facts}
 
 
 # -- optimizer throughput -------------------------------------------------------------------------
@@ -209,40 +256,75 @@ def _alternating(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def _lean_buffers(n: int, master: str, moments: str) -> LeanBuffers:
+    mdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[moments]
+    blocks = -(-n // QBLOCK)
+    return LeanBuffers(torch.randn(n).to(torch.float32 if master == "fp32" else torch.bfloat16),
+                       torch.zeros(n, dtype=torch.bfloat16) if master == "kahan" else None,
+                       torch.zeros(n, dtype=mdtype), torch.zeros(n, dtype=mdtype), torch.zeros(blocks), torch.zeros(blocks),
+                       torch.arange(0, n + QBLOCK, QBLOCK).clamp(max=n) if moments == "int8" else None,
+                       torch.randn(n).bfloat16(), torch.empty(n, dtype=torch.bfloat16) if master == "fp32" else None)
+
+
+def _floor(lib, b: LeanBuffers):
+    """A kernel over the same streams as the update of `b` (read, read-write, write-only), no math."""
+    streams = [(b.grad, 0), *[(t, 1) for t in (b.master, b.comp, b.exp_avg, b.exp_avg_sq) if t is not None]]
+    streams += [(b.out, 2)] if b.out is not None else []
+    own = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8) for t, _ in streams]
+    ptrs = (ctypes.c_void_p * len(own))(*[t.data_ptr() for t in own])
+    widths = (ctypes.c_int32 * len(own))(*[t.element_size() for t, _ in streams])
+    modes = (ctypes.c_int32 * len(own))(*[m for _, m in streams])
+    return lambda: lib.lean_floor(ptrs, widths, modes, len(own), b.numel) and own
+
+
+def _on_worker(fn):
+    """`fn` run on an engine-style background thread (torch on one core there), waited for."""
+    worker = Worker("bench-kernels")
+    return lambda: worker.submit(fn).synchronize()
+
+
 def bench_optimizer(args) -> dict:
-    n = int(args.params)
-    cfg = AdamWConfig(lr=1e-4, weight_decay=0.01)
+    n = int(args.params) // QBLOCK * QBLOCK
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.01)
     p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
     g16, c16, g32, c32 = torch.randn(n).bfloat16(), torch.empty(n, dtype=torch.bfloat16), torch.randn(n), torch.empty(n)
-    fns, moved = {}, {}  # name -> callable, bytes moved per parameter
+    fns, moved, floors = {}, {}, {}  # name -> callable, bytes moved per parameter, the floor's name
     ours = partial(adamw_parallel_, step=1, lr=1e-4, cfg=cfg, threads=args.optimizer_threads)
-    fns["ours fast (bf16 grad -> bf16 copy)"] = lambda: ours(p, g16, m, v, c16, exact=False)
-    fns["ours exact (fp32 grad -> fp32 copy)"] = lambda: ours(p, g32, m, v, c32, exact=True)
-    fns["ours fast (fp32 grad -> fp32 copy)"] = lambda: ours(p, g32, m, v, c32, exact=False)
+    fns["fp32/fp32 fast (bf16 grad -> bf16 copy)"] = lambda: ours(p, g16, m, v, c16, exact=False)
+    fns["fp32/fp32 exact (fp32 grad -> fp32 copy)"] = _on_worker(lambda: ours(p, g32, m, v, c32, exact=True))
+    fns["fp32/fp32 fast (fp32 grad -> fp32 copy)"] = lambda: ours(p, g32, m, v, c32, exact=False)
     moved.update({name: 28 if "bf16" in name else 32 for name in fns})
-    keep = []  # the anchors' parameters must outlive the timing
+    lib, keep = kernels.load(), []  # the anchors' parameters must outlive the timing
+    if lib is not None:
+        scratch = [torch.zeros(n), g16, torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
+        ptrs = [t.data_ptr() for t in scratch]  # its own buffers: it adds g to v, which may go negative
+        fns["floor, 28 B/param"], moved["floor, 28 B/param"] = (lambda: lib.touch(*ptrs, n)), 28
+        floors.update({name: "floor, 28 B/param" for name in list(fns) if name.startswith("fp32/fp32")})
+        for master, moments in MODES[1:]:
+            b, name = _lean_buffers(n, master, moments), f"{master}/{moments} (bf16 grad)"
+            dtype_master = "bf16" if master == "kahan" else master
+            fns[name] = partial(lean_adamw_, b, 1, 1e-4, cfg, 1.0, seeds(0, 1, 0), args.optimizer_threads)
+            moved[name] = update_bytes_per_param(torch.bfloat16, dtype_master, moments, "kahan" if master == "kahan" else "stochastic")
+            fns[f"floor, {name}"], moved[f"floor, {name}"], floors[name] = _floor(lib, b), moved[name], f"floor, {name}"
+            keep.append(b)
     for name, options in (("torch AdamW fused=True (fp32, no copy)", {"fused": True}),
                           ("torch AdamW default (fp32, no copy)", {})):
         param = torch.nn.Parameter(torch.randn(n))
         param.grad = torch.randn(n)
         keep.append(param)
         fns[name], moved[name] = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01, **options).step, 28
+        floors[name] = "floor, 28 B/param" if lib is not None else None
     deepspeed = _deepspeed_cpu_adam(n)
     if callable(deepspeed):
-        fns["DeepSpeed CPUAdam (fp32, no copy)"], moved["DeepSpeed CPUAdam (fp32, no copy)"] = deepspeed, 28
-    lib = kernels.load()
-    floor_name = "bandwidth floor (same 28 B/param, no math)"
-    if lib is not None:
-        scratch = [torch.zeros(n), g16, torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
-        ptrs = [t.data_ptr() for t in scratch]  # its own buffers: it adds g to v, which may go negative
-        fns[floor_name], moved[floor_name] = (lambda: lib.touch(*ptrs, n)), 28
+        name = "DeepSpeed CPUAdam (fp32, no copy)"
+        fns[name], moved[name], floors[name] = deepspeed, 28, "floor, 28 B/param" if lib is not None else None
     seconds = _alternating(fns, args.repeats)
-    floor = seconds.get(floor_name)
     result = {"params": n, "threads": torch.get_num_threads(), "our_threads": args.optimizer_threads, "kernels": {}}
     for name, t in seconds.items():
+        floor = seconds.get(floors.get(name) or "", None)
+        fraction = floor * moved[name] / moved[floors[name]] / t if floor else None
         result["kernels"][name] = {"seconds": t, "ns_per_param": t / n * 1e9, "bytes_per_param": moved[name],
-                                   "gb_per_s": moved[name] * n / t / 1e9,
-                                   "fraction_of_floor": (floor * moved[name] / 28 / t) if floor else None}
+                                   "gb_per_s": moved[name] * n / t / 1e9, "fraction_of_floor": fraction}
     result["deepspeed"] = "measured" if callable(deepspeed) else deepspeed
     return result
 
@@ -268,25 +350,32 @@ def table(results: dict) -> str:
     if "step" in results:
         s = results["step"]
         lines.append(f"step time, {s['blocks']}-block DiT3D, {s['params'] / 1e6:.1f} M params, {s['tokens']} tokens, "
-                     f"{s['dtype']} on {s['device']} (median of the alternating runs)")
+                     f"{s['dtype']} on {s['device']} (median of the alternating runs); fastest resident: "
+                     f"{s.get('fastest_resident')}")
         for name, seconds in s["median_s"].items():
-            ratio = f"x{s['ratio_to_resident'][name]:.3f} of resident" if s["ratio_to_resident"] else ""
-            if s["ratio_to_resident_fused"]:
-                ratio += f", x{s['ratio_to_resident_fused'][name]:.3f} of fused"
+            ratio = f"x{s['ratio_to_fastest_resident'][name]:.3f} of the fastest resident" if "ratio_to_fastest_resident" in s else ""
             mfu = f"MFU {s['mfu'][name]:.1%}" if "mfu" in s else ""
             peak = f"peak {s['peak_device_bytes'][name] / 2**30:.1f} GiB" if "peak_device_bytes" in s else ""
-            lines.append(f"  {name:<28} {seconds * 1e3:9.1f} ms   {ratio} {mfu} {peak}")
+            host = f"host {s['engine'][name]['host_bytes_per_param']:.2f} B/param" if name in s["engine"] else ""
+            lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   {ratio} {host} {mfu} {peak}")
         for name, e in s["engine"].items():
-            lines.append(f"  {name:<28} optimizer {e['optimizer_s_per_step'] * 1e3:.1f} ms/step, exposed "
+            lines.append(f"  {name:<32} optimizer {e['optimizer_s_per_step'] * 1e3:.1f} ms/step, exposed "
                          f"{e['exposed_optimizer_s_per_step'] * 1e3:.2f} ms ({e['exposed_fraction']:.1%}); "
                          f"transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.2f} ms")
+    if "residency" in results:
+        r = results["residency"]
+        lines.append(f"transfer-bound: copies at {r['bandwidth_bytes_s'] / 1e9:.3g} GB/s")
+        for name, seconds in r["median_s"].items():
+            e = r["engine"][name]
+            lines.append(f"  {name:<32} {seconds * 1e3:9.1f} ms   x{r['speedup'][name]:.2f} faster, "
+                         f"{e['h2d_bytes_per_step'] / 1e6:.1f} MB up per step, transfer wait {e['exposed_transfer_s_per_step'] * 1e3:.1f} ms")
     if "optimizer" in results:
         o = results["optimizer"]
         lines.append(f"AdamW step over {o['params'] / 1e6:.0f} M parameters, torch {o['threads']} thread(s), ours {o['our_threads']}")
         for name, k in o["kernels"].items():
-            floor = f"{k['fraction_of_floor']:.0%} of floor" if k["fraction_of_floor"] else ""
+            floor = f"{k['fraction_of_floor']:.0%} of its floor" if k["fraction_of_floor"] else ""
             lines.append(f"  {name:<44} {k['seconds'] * 1e3:8.2f} ms {k['ns_per_param']:6.3f} ns/param "
-                         f"{k['gb_per_s']:6.1f} GB/s  {floor}")
+                         f"{k['bytes_per_param']:5.1f} B {k['gb_per_s']:6.1f} GB/s  {floor}")
         if o["deepspeed"] != "measured":
             lines.append(f"  DeepSpeed CPUAdam: {o['deepspeed']}")
     return "\n".join(lines)
@@ -297,6 +386,8 @@ def main(argv=None) -> dict:
     results = {"machine": machine(), "args": vars(args)}
     if "step" not in args.skip:
         results["step"] = bench_step(args)
+    if "residency" not in args.skip and torch.device(args.device).type == "cpu":
+        results["residency"] = bench_residency(args)
     if "optimizer" not in args.skip:
         results["optimizer"] = bench_optimizer(args)
     print(table(results))

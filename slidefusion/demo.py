@@ -11,6 +11,7 @@ from slidefusion.data.shapes import parse_caption
 from slidefusion.data.video_io import check_video_path, to_uint8, write_video
 from slidefusion.errors import UserError, check
 from slidefusion.pipeline import DEFAULT_PROMPT, VideoPipeline
+from slidefusion.validate import output_path
 
 # Every colour, shape and main direction of the grid differs from its neighbours'; the first is
 # the default prompt, so the single demo video is the grid's first cell.
@@ -70,6 +71,7 @@ def run_demo(out: str | Path, prompt: str = DEFAULT_PROMPT, grid_prompts=GRID_PR
     paths = [out.with_suffix(".mp4"), out.with_suffix(".gif"), out.with_name(f"{out.stem}-grid.gif")]
     for path in paths:  # a bad file name must fail before sampling, not after
         check_video_path(path)
+        output_path(path, "--out")
     prompts = [prompt, *(p for p in grid_prompts if p != prompt)][:len(grid_prompts)]
     labels = [grid_label(p) for p in prompts]
     start = time.perf_counter()

@@ -14,3 +14,13 @@ def check(condition: bool, message: str) -> None:
     """Raise `UserError(message)` unless `condition` holds."""
     if not condition:
         raise UserError(message)
+
+
+class NonFiniteError(UserError):
+    """Training or sampling produced NaN or infinity and stopped before writing anything from it.
+
+    Not a typing mistake but still the user's to fix (usually the learning rate), so it is one
+    line like any `UserError`; the CLI exits with `exit_code` to tell it apart from bad input.
+    """
+
+    exit_code = 3

@@ -6,7 +6,11 @@ trainer validated instead of repeating them.
 
 from dataclasses import dataclass
 
+from slidefusion import validate
 from slidefusion.errors import check
+
+LR_MAX = 1.0  # AdamW moves each weight by up to about lr per step; beyond 1 nothing trains, and
+# lr / (1 - beta1) stops fitting a float32 long before torch would tell you why
 
 
 @dataclass
@@ -23,8 +27,11 @@ class OptimConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
-        check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        validate.finite(self.lr, "optim.lr", 0, LR_MAX, low_open=True)
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"optim.betas={self.betas} must be two numbers in [0, 1)")
+        validate.finite(self.eps, "optim.eps", 0, low_open=True)
+        validate.finite(self.weight_decay, "optim.weight_decay", 0)
         check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        check(self.max_grad_norm is None or self.max_grad_norm > 0, f"optim.max_grad_norm={self.max_grad_norm} must be > 0 or null")
+        if self.max_grad_norm is not None:
+            validate.finite(self.max_grad_norm, "optim.max_grad_norm", 0, low_open=True)
         check(self.ema_decay is None or 0 < self.ema_decay < 1, f"optim.ema_decay={self.ema_decay} must be in (0, 1) or null")

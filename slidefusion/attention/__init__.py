@@ -5,10 +5,13 @@ Importing this package registers the built-in operators (`dense`, `window`, `nei
 
 from slidefusion.attention.functional import (
     dense_attention,
+    effective_kernel,
+    joint_attention,
     neighborhood_attention,
     slide_attention,
     window_attention,
 )
+from slidefusion.attention.joint import merge_attention
 from slidefusion.attention.modules import (
     DenseAttention3d,
     GridAttention,
@@ -27,6 +30,9 @@ __all__ = [
     "available_attention",
     "build_attention",
     "dense_attention",
+    "effective_kernel",
+    "joint_attention",
+    "merge_attention",
     "neighborhood_attention",
     "register_attention",
     "slide_attention",

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from slidefusion.attention import backends
+from slidefusion.attention import backends, joint
+from slidefusion.attention.backends import ops
+from slidefusion.attention.reference import slide_attention_reference
 from slidefusion.errors import UserError, check
 
 Triple = tuple[int, int, int]
@@ -162,7 +164,8 @@ def window_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# Neighbourhood and slide attention: argument checks here, the math in `backends`.
+# Neighbourhood and slide attention: argument checks here, the math in `backends` (the window)
+# and `joint` (extra keys).
 
 _AXES = ("T", "H", "W")
 
@@ -177,30 +180,56 @@ def check_kernel_size(kernel_size: Sequence[int]) -> Triple:
     return kernel
 
 
+def effective_kernel(kernel: Triple, grid: Triple) -> Triple:
+    """The window slide attention uses on `grid`: kernel_size clamped to the grid per axis.
+
+    A window larger than the grid along an axis covers that axis whole (as `window_attention`
+    clamps its windows), so a window that covers the grid is dense attention on any grid; the
+    clamped size may be even. NATTEN raises instead.
+    """
+    return tuple(min(kern, n) for kern, n in zip(kernel, grid))
+
+
 def _check_slide_args(q, k, v, kernel_size, offsets, scale) -> Triple:
+    """Check q, k, v, kernel_size, offsets and scale; return the effective (clamped) kernel."""
     _check_qkv(q, k, v)
     check(
         q.is_floating_point() and k.dtype == q.dtype and v.dtype == q.dtype,
         f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}",
     )
     check(k.device == q.device and v.device == q.device, "q, k, v must be on one device")
-    kernel = check_kernel_size(kernel_size)
-    for axis, (n, kern) in enumerate(zip(q.shape[1:4], kernel)):
-        if kern > n:
-            raise UserError(
-                f"kernel_size[{axis}]={kern} is larger than the grid's {_AXES[axis]} axis ({n} tokens); "
-                f"use a window <= {n} there"
-            )
+    kernel = effective_kernel(check_kernel_size(kernel_size), tuple(q.shape[1:4]))
     if offsets is not None:
         K = kernel[0] * kernel[1] * kernel[2]
         expected = (*q.shape[:5], K, 3)
         ok = isinstance(offsets, torch.Tensor) and offsets.dim() == 7
         ok = ok and offsets.shape[:5] == q.shape[:5] and offsets.shape[5] in (1, K) and offsets.shape[6] == 3
-        check(ok, f"offsets must be None or {expected} (or K=1); got {_shape_of(offsets)}")
+        check(ok, f"offsets must be None or {expected} (or K=1; K counts the window {kernel} clamped to the grid); "
+                  f"got {_shape_of(offsets)}")
         check(offsets.is_floating_point(), f"offsets must be a floating tensor; got {offsets.dtype}")
         check(offsets.device == q.device, f"offsets must be on q's device {q.device}; got {offsets.device}")
-    check(scale is None or isinstance(scale, (int, float)), f"scale must be None or a number; got {scale!r}")
+    check(
+        scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool)),
+        f"scale must be None or a number; got {scale!r}",
+    )
     return kernel
+
+
+def _check_extra(q, extra_k, extra_v, extra_mask) -> None:
+    if extra_k is None and extra_v is None:
+        check(extra_mask is None, "extra_mask needs extra_k and extra_v")
+        return
+    B, heads, D = q.shape[0], q.shape[4], q.shape[5]
+    for name, x in (("extra_k", extra_k), ("extra_v", extra_v)):
+        ok = isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[0] == B and x.shape[2:] == (heads, D)
+        check(ok and x.shape[1] >= 1, f"{name} must be (B={B}, L>=1, heads={heads}, D={D}); got {_shape_of(x)}")
+        check(x.dtype == q.dtype and x.device == q.device, f"{name} must have q's dtype {q.dtype} and device {q.device}")
+    check(extra_v.shape == extra_k.shape, f"extra_v must have the shape of extra_k {tuple(extra_k.shape)}")
+    if extra_mask is not None:
+        L = extra_k.shape[1]
+        ok = isinstance(extra_mask, torch.Tensor) and extra_mask.dtype == torch.bool
+        check(ok and extra_mask.shape == (B, L), f"extra_mask must be a bool (B={B}, L={L}) tensor; got {_shape_of(extra_mask)}")
+        check(extra_mask.device == q.device, f"extra_mask must be on q's device {q.device}")
 
 
 def _shape_of(x) -> str:
@@ -214,18 +243,53 @@ def slide_attention(
     kernel_size: Sequence[int] = (3, 7, 7),
     offsets: torch.Tensor | None = None,
     scale: float | None = None,
-) -> torch.Tensor:
-    """3D deformable slide attention. q, k, v: (B, T, H, W, heads, D) -> (B, T, H, W, heads, D).
+    *,
+    extra_k: torch.Tensor | None = None,
+    extra_v: torch.Tensor | None = None,
+    extra_mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """3D deformable slide attention, optionally joint with global keys, under one softmax.
 
+    q, k, v: (B, T, H, W, heads, D) video tokens on a T x H x W grid.
     Each query attends to its kt x kh x kw window (NATTEN's border rule: along an axis of length L
-    the window of query i starts at clamp(i - k//2, 0, L - k)). `offsets` (B, T, H, W, heads, K, 3),
-    K = kt*kh*kw in row-major (t, h, w) window order (or K=1: one shift for the whole window),
-    moves every sample point by (dt, dh, dw) tokens; the point is clamped into the grid and keys
-    and values there are read by trilinear interpolation. No offsets gives neighbourhood attention.
-    `scale` defaults to D ** -0.5. Differentiable in q, k, v and offsets.
+    the window of query i starts at clamp(i - k//2, 0, L - k)); a window larger than the grid along
+    an axis is clamped to it (`effective_kernel`). `offsets` (B, T, H, W, heads, K, 3), K = kt*kh*kw
+    of the clamped window in row-major (t, h, w) window order (or K=1: one shift for the whole
+    window), moves every sample point by (dt, dh, dw) tokens; the point is clamped into the grid and
+    keys and values there are read by trilinear interpolation. No offsets: neighbourhood attention.
+
+    Extra keys: extra_k, extra_v (B, L, heads, D), e.g. the text tokens of a joint text+video block
+    or a few registers. Every video query also sees all L of them (only those where extra_mask
+    (B, L) bool is True), in the same softmax as its window: the result equals a dense softmax
+    over [window keys ; extra keys]. (The text queries of a joint block attend densely to
+    everything: `joint_attention` does both halves.)
+
+    `scale` multiplies q . k and defaults to D ** -0.5. `backend`: "auto" | "reference" | "tiled" |
+    "cpp" | "triton" (see `backends`). Differentiable in q, k, v, offsets, extra_k and extra_v,
+    and through both outputs.
+
+    Returns out (B, T, H, W, heads, D) in q's dtype; with return_lse=True, (out, lse) where lse
+    (B, T, H, W, heads) = log of the softmax denominator, log sum exp of the scaled scores over
+    every key the query sees, in float32 (float64 for float64 inputs).
     """
     kernel = _check_slide_args(q, k, v, kernel_size, offsets, scale)
-    return backends.slide(q, k, v, kernel, offsets, scale)  # CPU: compiled kernel (else tiled PyTorch); CUDA: Triton
+    _check_extra(q, extra_k, extra_v, extra_mask)
+    check(isinstance(return_lse, bool), f"return_lse must be True or False; got {return_lse!r}")
+    name = backends.choose(backend, q.device)
+    if name == "reference":
+        out, lse = slide_attention_reference(q, k, v, kernel, offsets, scale, extra_k, extra_v, extra_mask, True)
+    else:
+        n = backends.normalise(q, k, v, offsets, scale, name)
+        out, lse = ops.slide_with_lse(n, kernel, name)
+        if extra_k is not None:
+            B, T, H, W, heads, D = q.shape
+            ek, ev = extra_k.contiguous(), extra_v.contiguous()
+            out_x, lse_x = joint.extra_forward(n.q.view(B, T * H * W, heads, D), ek, ev, extra_mask, n.scale)
+            out, lse = joint.merge_attention(out, lse, out_x.view(out.shape), lse_x.view(lse.shape))
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
 def neighborhood_attention(
@@ -234,6 +298,47 @@ def neighborhood_attention(
     v: torch.Tensor,
     kernel_size: Sequence[int] = (3, 7, 7),
     scale: float | None = None,
-) -> torch.Tensor:
-    """3D neighbourhood attention (NATTEN's `na3d`): `slide_attention` without offsets."""
-    return slide_attention(q, k, v, kernel_size, None, scale)
+    **options,
+):
+    """3D neighbourhood attention (NATTEN's `na3d`): `slide_attention` without offsets.
+
+    `options` are slide_attention's keyword arguments (extra_k, extra_v, extra_mask, return_lse, backend).
+    """
+    return slide_attention(q, k, v, kernel_size, None, scale, **options)
+
+
+def joint_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    text_q: torch.Tensor,
+    text_k: torch.Tensor,
+    text_v: torch.Tensor,
+    kernel_size: Sequence[int] = (3, 7, 7),
+    offsets: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    text_mask: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint text+video attention (CogVideoX, HunyuanVideo, Mochi) with a slide window for the video.
+
+    q, k, v: (B, T, H, W, heads, D) video tokens; text_q, text_k, text_v: (B, L, heads, D);
+    text_mask: None or (B, L) bool, True = a real text token (padding is never attended to).
+    Video queries see their slide window plus every real text token under one softmax
+    (`slide_attention` with extra keys); text queries attend densely to all real text tokens and
+    all video tokens. Returns (video_out (B, T, H, W, heads, D), text_out (B, L, heads, D)).
+    """
+    video = slide_attention(
+        q, k, v, kernel_size, offsets, scale, extra_k=text_k, extra_v=text_v, extra_mask=text_mask, backend=backend
+    )
+    check(text_q.shape == text_k.shape, f"text_q must have the shape of text_k {tuple(text_k.shape)}")
+    B, T, H, W, heads, D = q.shape
+    keys = torch.cat([text_k, k.reshape(B, T * H * W, heads, D)], dim=1).transpose(1, 2)  # (B, heads, L+N, D)
+    values = torch.cat([text_v, v.reshape(B, T * H * W, heads, D)], dim=1).transpose(1, 2)
+    mask = None
+    if text_mask is not None:
+        seen = torch.cat([text_mask, text_mask.new_ones(B, T * H * W)], dim=1)  # (B, L+N)
+        mask = seen[:, None, None, :]
+    text = F.scaled_dot_product_attention(text_q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
+    return video, text.transpose(1, 2)  # (B, L, heads, D)

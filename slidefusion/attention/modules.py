@@ -15,6 +15,7 @@ from slidefusion.attention.functional import (
     check_kernel_size,
     check_window_args,
     dense_attention,
+    effective_kernel,
     slide_attention,
     window_attention,
 )
@@ -105,12 +106,6 @@ def build_window(dim: int, heads: int, *, block_index: int = 0, **options) -> Wi
     return WindowAttention3d(dim, heads, window_size, shift, qkv_bias=qkv_bias)
 
 
-def fit_kernel(kernel: tuple[int, int, int], grid: tuple[int, int, int]) -> tuple[int, int, int]:
-    """Shrink each axis of the window to the largest odd size that fits the grid, so one model
-    runs on any latent size (as `window` clamps its windows); the functional op rejects a too-large window."""
-    return tuple(k if k <= n else n - 1 + n % 2 for k, n in zip(kernel, grid))
-
-
 class NeighborhoodAttention3d(GridAttention):
     """Each token attends to its kt x kh x kw neighbourhood (NATTEN's na3d border rule)."""
 
@@ -119,7 +114,7 @@ class NeighborhoodAttention3d(GridAttention):
         self.kernel_size = check_kernel_size(kernel_size)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return slide_attention(q, k, v, fit_kernel(self.kernel_size, q.shape[1:4]))
+        return slide_attention(q, k, v, self.kernel_size)  # a window larger than the grid is clamped to it
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel_size={self.kernel_size}"
@@ -171,15 +166,15 @@ class SlideAttention3d(GridAttention):
         off = self.max_offset * torch.tanh(self.offset_linear(x))  # (B, T, H, W, heads*slots*3)
         if self.slots == 1:
             return off.view(B, T, H, W, heads, 1, 3)
-        # A window shrunk to fit a small grid keeps the offsets of its centre slots.
+        # A window clamped to a small grid keeps the offsets of its centre slots.
         off = off.view(B, T, H, W, heads, *self.kernel_size, 3)
         for axis, (k_full, k) in enumerate(zip(self.kernel_size, kernel)):
             off = off.narrow(5 + axis, (k_full - k) // 2, k)
         return off.reshape(B, T, H, W, heads, -1, 3)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kernel = fit_kernel(self.kernel_size, q.shape[1:4])
-        return slide_attention(q, k, v, kernel, offsets=self.offsets(q, kernel))
+        kernel = effective_kernel(self.kernel_size, tuple(q.shape[1:4]))  # the window the op will use
+        return slide_attention(q, k, v, self.kernel_size, offsets=self.offsets(q, kernel))
 
     def extra_repr(self) -> str:
         return (

@@ -143,15 +143,24 @@ def slide_attention_reference(
     kernel_size: tuple[int, int, int],
     offsets: torch.Tensor | None = None,
     scale: float | None = None,
-) -> torch.Tensor:
+    extra_k: torch.Tensor | None = None,
+    extra_v: torch.Tensor | None = None,
+    extra_mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
     """Gather-then-softmax specification of `slide_attention`.
 
-    Sample point of (query, slot) = window position + offset, clamped into [0, L - 1] per axis;
-    keys and values there are read by trilinear interpolation, then softmax(q . k * scale) v.
-    offsets: None or (B, T, H, W, heads, K or 1, 3) in token units, last dim (dt, dh, dw).
+    The window is clamped to the grid per axis (kernel min(k, L)). Sample point of (query, slot) =
+    window position + offset, clamped into [0, L - 1] per axis; keys and values there are read by
+    trilinear interpolation. offsets: None or (B, T, H, W, heads, K or 1, 3) in token units, last
+    dim (dt, dh, dw). With extra keys, every query also scores extra_k (B, L, heads, D) (where
+    extra_mask (B, L) is True, or everywhere), and one softmax runs over [window slots ; extra
+    keys]. Returns out (B, T, H, W, heads, D), plus lse (B, T, H, W, heads) = log sum exp of the
+    scaled scores with `return_lse`.
     """
     B, T, H, W, heads, D = q.shape
     N = T * H * W
+    kernel_size = tuple(min(kern, n) for kern, n in zip(kernel_size, (T, H, W)))
     scale = D**-0.5 if scale is None else scale
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -162,6 +171,16 @@ def slide_attention_reference(
     limit = torch.tensor([T - 1, H - 1, W - 1], device=q.device, dtype=dtype)
     points = torch.minimum(points.clamp(min=0), limit)
     keys, values = trilinear_sample(k, points), trilinear_sample(v, points)  # (B, N, heads, K, D)
-    scores = torch.einsum("bnhd,bnhkd->bnhk", q.reshape(B, N, heads, D), keys) * scale
+    qf = q.reshape(B, N, heads, D)
+    scores = torch.einsum("bnhd,bnhkd->bnhk", qf, keys) * scale  # (B, N, heads, K)
+    if extra_k is not None:
+        extra = torch.einsum("bnhd,blhd->bnhl", qf, extra_k.to(dtype)) * scale  # (B, N, heads, L)
+        if extra_mask is not None:
+            extra = extra.masked_fill(~extra_mask[:, None, None, :], float("-inf"))
+        scores = torch.cat([scores, extra], dim=-1)  # (B, N, heads, K + L)
+        values = torch.cat([values, extra_v.to(dtype)[:, None].expand(B, N, -1, heads, D).transpose(2, 3)], dim=3)
     out = torch.einsum("bnhk,bnhkd->bnhd", scores.softmax(dim=-1), values)  # (B, N, heads, D)
-    return out.reshape(B, T, H, W, heads, D)
+    out = out.reshape(B, T, H, W, heads, D)
+    if return_lse:
+        return out, torch.logsumexp(scores, dim=-1).reshape(B, T, H, W, heads)
+    return out

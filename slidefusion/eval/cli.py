@@ -4,11 +4,14 @@ import argparse
 import time
 from pathlib import Path
 
-from slidefusion.cli import _positive_int
+from slidefusion import cli_args as types
+from slidefusion.cli_args import positive_int
+from slidefusion.data.shapes import COLORS
 
 
 def cmd_evaluate(args) -> None:
     from slidefusion.errors import UserError
+    from slidefusion.validate import SEED_MAX
     from slidefusion.eval.evaluate import (
         SamplingSettings,
         evaluate_ground_truth,
@@ -32,6 +35,8 @@ def cmd_evaluate(args) -> None:
 
         if not args.checkpoint:
             raise UserError("--checkpoint DIR|bundled is required (or --ground-truth to score dataset clips)")
+        if args.seed + args.num - 1 > SEED_MAX:
+            raise UserError(f"--seed={args.seed}: video i uses seed SEED + i, so SEED + --num - 1 must be <= 2**64-1")
         prompts = read_prompts(args.prompts, args.num) if args.prompts else held_out_prompts(args.num, args.max_objects)
         settings = SamplingSettings(frames=args.frames, steps=args.steps, guidance=args.guidance, seed=args.seed,
                                     batch_size=args.batch_size)
@@ -60,18 +65,21 @@ def add_evaluate_parser(sub) -> None:
                                           "plus temporal flickering, motion smoothness and warping error.")
     evaluate.add_argument("--checkpoint", help="checkpoint folder, run folder (its latest) or 'bundled' (the demo model)")
     evaluate.add_argument("--ground-truth", action="store_true", help="score dataset clips against their own captions")
-    evaluate.add_argument("--prompts", metavar="FILE", help="one moving-shapes prompt per line (default: held-out captions)")
-    evaluate.add_argument("--num", type=_positive_int, default=16, help="videos to score (default 16)")
-    evaluate.add_argument("--json", metavar="OUT", help="write the summary and every video's scores here")
-    evaluate.add_argument("--frames", type=_positive_int, help="frames (default: the training length; 8 for ground truth)")
-    evaluate.add_argument("--height", type=_positive_int, default=32, help="ground-truth clip height (default 32)")
-    evaluate.add_argument("--width", type=_positive_int, default=32, help="ground-truth clip width (default 32)")
-    evaluate.add_argument("--max-objects", type=_positive_int, default=1, help="objects per held-out scene (default 1)")
-    evaluate.add_argument("--steps", type=_positive_int, default=20, help="Euler steps (default 20)")
-    evaluate.add_argument("--guidance", type=float, default=4.0)
-    evaluate.add_argument("--seed", type=int, default=0, help="video i uses seed SEED + i")
-    evaluate.add_argument("--batch-size", type=_positive_int, default=8, help="videos sampled together (default 8)")
-    evaluate.add_argument("--device", default="cpu")
+    evaluate.add_argument("--prompts", metavar="FILE", type=types.existing_file,
+                          help="one moving-shapes prompt per line (default: held-out captions)")
+    evaluate.add_argument("--num", type=positive_int, default=16, help="videos to score (default 16)")
+    evaluate.add_argument("--json", metavar="OUT", type=types.output_file(".json"),
+                          help="write the summary and every video's scores here (.json)")
+    evaluate.add_argument("--frames", type=positive_int, help="frames (default: the training length; 8 for ground truth)")
+    evaluate.add_argument("--height", type=positive_int, default=32, help="ground-truth clip height (default 32)")
+    evaluate.add_argument("--width", type=positive_int, default=32, help="ground-truth clip width (default 32)")
+    evaluate.add_argument("--max-objects", type=types.integer(1, len(COLORS)), default=1,
+                          help="objects per held-out scene (default 1)")
+    evaluate.add_argument("--steps", type=types.integer(1, 10_000), default=20, help="Euler steps (default 20)")
+    evaluate.add_argument("--guidance", type=types.guidance, default=4.0, help="0..100 (default 4)")
+    evaluate.add_argument("--seed", type=types.seed, default=0, help="video i uses seed SEED + i")
+    evaluate.add_argument("--batch-size", type=positive_int, default=8, help="videos sampled together (default 8)")
+    evaluate.add_argument("--device", type=types.device, default="cpu")
     evaluate.add_argument("--quiet", action="store_true")
     evaluate.set_defaults(func=cmd_evaluate)
 
@@ -88,6 +96,6 @@ def add_experiment_parser(sub) -> None:
                                             "losses.png. Rerunning the same command resumes.")
     ablation.add_argument("--budget", choices=list(BUDGETS), default="full",
                           help="full: about 110 min on 2 cores; quick: a smoke run of every stage (under a minute)")
-    ablation.add_argument("--out", default="experiments/attention-ablation", help="output folder")
+    ablation.add_argument("--out", type=types.output_folder, default="experiments/attention-ablation", help="output folder")
     ablation.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="a subset (default: all)")
     ablation.set_defaults(func=cmd_experiment)

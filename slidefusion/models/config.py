@@ -5,6 +5,9 @@ from dataclasses import asdict, dataclass, field, fields
 from slidefusion.errors import UserError, check
 
 ARCHS = ("dit3d", "stdit")
+# Far beyond any real model (the 105 B preset is 8192 wide, 71 deep), and small enough that even
+# building the model on the meta device (for planning and memory estimates) stays instant.
+LIMITS = {"in_channels": 1024, "hidden": 65536, "depth": 1024, "heads": 1024, "text_dim": 65536}
 
 
 @dataclass
@@ -35,14 +38,14 @@ class ModelConfig:
         self.patch_size = tuple(self.patch_size)
         check(self.arch in ARCHS, f"model.arch={self.arch!r} is unknown; valid: {', '.join(ARCHS)}")
         check(
-            len(self.patch_size) == 3 and all(isinstance(p, int) and p >= 1 for p in self.patch_size),
-            f"model.patch_size={self.patch_size} must be three ints >= 1 (pt, ph, pw)",
+            len(self.patch_size) == 3 and all(isinstance(p, int) and 1 <= p <= 64 for p in self.patch_size),
+            f"model.patch_size={self.patch_size} must be three ints in 1..64 (pt, ph, pw)",
         )
-        for name in ("in_channels", "hidden", "depth", "heads", "text_dim"):
+        for name, most in LIMITS.items():
             value = getattr(self, name)
-            check(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be an int >= 1")
+            check(isinstance(value, int) and 1 <= value <= most, f"model.{name}={value!r} must be an int in 1..{most}")
         check(isinstance(self.pooled_text, bool), f"model.pooled_text={self.pooled_text!r} must be true or false")
-        check(self.mlp_ratio > 0, f"model.mlp_ratio={self.mlp_ratio} must be > 0")
+        check(0 < self.mlp_ratio <= 64, f"model.mlp_ratio={self.mlp_ratio} must be in (0, 64]")
         check(
             self.hidden % self.heads == 0,
             f"model.hidden={self.hidden} must be divisible by model.heads={self.heads}",

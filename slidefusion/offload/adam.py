@@ -13,38 +13,25 @@ Bitwise matters for the fp32 comparison with torch: parameters whose true gradie
 there into a full learning-rate step. The engine uses `exact` with fp32 compute and `fast`
 otherwise, where bf16 rounding of the compute copy dominates anyway. Without a C compiler both
 fall back to torch operations (`adamw_reference_`, and torch's fused kernel).
+The hyper-parameters come from `OptimConfig` (betas, eps, weight_decay; the learning rate is passed
+per step, as the schedule moves it).
 """
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-from slidefusion.errors import check
 from slidefusion.offload import kernels
+from slidefusion.offload.transfer import serial_torch_here
+from slidefusion.optim import OptimConfig
 
 CHUNK = 1 << 18  # elements per chunk of the torch fallbacks: smaller ones pay per-call overhead
 EXACT_CHUNK = 1 << 15  # 4 fp32 streams x 128 KiB: stays in a 1-2 MiB L2 between the three passes
 
 
-@dataclass
-class AdamWConfig:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self):
-        self.betas = tuple(self.betas)
-        check(self.lr >= 0, f"lr={self.lr} must be >= 0")
-        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas={self.betas} must be two numbers in [0, 1)")
-        check(self.eps > 0, f"eps={self.eps} must be > 0")
-        check(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
-
-
 def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    compute: torch.Tensor, step: int, lr: float, cfg: AdamWConfig, grad_scale: float = 1.0,
+                    compute: torch.Tensor, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
                     exact: bool = True, threads: int = 1) -> None:
     """`adamw_` split into `threads` contiguous ranges run at once (the kernels release the GIL).
 
@@ -64,12 +51,12 @@ def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
 @cache
 def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="offload-adamw")
+    return ThreadPoolExecutor(threads, thread_name_prefix="offload-adamw", initializer=serial_torch_here)
 
 
 @torch.no_grad()
 def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           compute: torch.Tensor, step: int, lr: float, cfg: AdamWConfig, grad_scale: float = 1.0,
+           compute: torch.Tensor, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
            exact: bool = True) -> None:
     """One AdamW step on flat 1-D fp32 buffers (step counts from 1); writes `compute` = master cast.
 
@@ -120,7 +107,7 @@ def _torch_fused_(master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg, gra
 
 @torch.no_grad()
 def adamw_reference_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           compute: torch.Tensor, step: int, lr: float, cfg: AdamWConfig, grad_scale: float = 1.0,
+           compute: torch.Tensor, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
            chunk: int = CHUNK) -> None:
     """`adamw_` as torch.optim.AdamW's single-tensor code, op by op (the specification)."""
     beta1, beta2 = cfg.betas

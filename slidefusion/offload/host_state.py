@@ -1,81 +1,72 @@
-"""Host-resident training state: per group of parameters, flat contiguous buffers.
+"""Host-resident training state: per group of parameters, flat contiguous buffers, allocated once.
 
-A group is one block of the `ModuleList` (streamed) or everything outside the blocks (resident on
-the device). For each group the host holds, allocated once:
+    compute     compute dtype  the copy that is uploaded (trainable + frozen parameters)
+    master      `formats.MasterWeights` over the trainable prefix (may be the compute copy itself)
+    moments     `formats.Moments` over the trainable prefix
 
-    master      fp32           the weights AdamW updates
-    exp_avg     fp32           AdamW first moment
-    exp_avg_sq  fp32           AdamW second moment
-    compute     compute dtype  the copy that is uploaded (written by the optimizer's pass)
-
-That is 4 + 4 + 4 + 2 = 14 bytes per parameter for bf16 compute. On CUDA the buffers are pinned
-so uploads are true DMA. The model's own `nn.Parameter`s are re-pointed at views of `master`, so
-`model.state_dict()` reads the live fp32 weights and no second host copy exists.
+The model's own `nn.Parameter`s are re-pointed at views of these buffers (trainable ones at the
+master, frozen ones at the compute copy), so `model.state_dict()` reads the live weights and no
+second host copy exists. A model built on the meta device (shapes only) gets its buffers here
+directly and is filled by `load_weights`, so a checkpoint never exists twice in memory.
 """
 
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
 from slidefusion.errors import UserError
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where one parameter lives inside its group's flat buffers."""
-
-    name: str  # the key in model.state_dict()
-    shape: tuple[int, ...]
-    offset: int
-    numel: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    entries: tuple[Entry, ...]
-    numel: int
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter as a view into `flat` (which may be longer than this layout)."""
-        return [flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
-
-
-def layout_of(named: list[tuple[str, nn.Parameter]]) -> Layout:
-    entries, offset = [], 0
-    for name, param in named:
-        entries.append(Entry(name, tuple(param.shape), offset, param.numel()))
-        offset += param.numel()
-    return Layout(tuple(entries), offset)
+from slidefusion.offload.formats import MasterWeights, Moments
+from slidefusion.offload.layout import REST, GroupSpec, layout_of, split_groups
 
 
 class GroupState:
     """The flat host buffers of one group, and the model parameters that view them."""
 
-    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], compute_dtype: torch.dtype, pin: bool):
-        self.name = name
-        self.layout = layout_of(named)
-        self.params = [p for _, p in named]
-        n = self.layout.numel
-        empty = lambda dtype: torch.empty(n, dtype=dtype, pin_memory=pin)
-        self.master, self.exp_avg, self.exp_avg_sq = empty(torch.float32), empty(torch.float32), empty(torch.float32)
-        self.compute = empty(compute_dtype)
-        with torch.no_grad():
-            for view, param in zip(self.layout.views(self.master), self.params):
-                view.copy_(param.detach().float())
-        self.exp_avg.zero_()
-        self.exp_avg_sq.zero_()
-        self.bind_master()
-        self.refresh_compute()
+    def __init__(self, spec: GroupSpec, policy, allocate):
+        self.name, self.key = spec.name, spec.key
+        self.layout = layout_of(spec.named)
+        self.params = [p for _, p in spec.named]
+        self.local_names = spec.local_names()
+        self.trainable = self.params[:len(spec.trainable)]
+        self.n_train = sum(p.numel() for p in self.trainable)
+        self.compute = allocate(self.layout.numel, policy.compute_dtype, True)
+        self.master = MasterWeights(policy.master, policy.rounding, self.n_train, self.compute, allocate)
+        self.moments = Moments(policy.moments, self.layout, self.n_train, allocate)
+        if not any(p.is_meta for p in self.params):
+            with torch.no_grad():
+                for entry, param in zip(self.layout.entries, self.params):
+                    self.write(entry.offset, entry.numel, param.detach())
+        self.bind_host()
 
     @property
     def numel(self) -> int:
         return self.layout.numel
 
-    def bind_master(self) -> None:
-        """Point the model's parameters at their fp32 master views (frees their own storage)."""
-        for view, param in zip(self.layout.views(self.master), self.params):
-            param.data = view
+    def write(self, offset: int, numel: int, value: torch.Tensor) -> None:
+        """Store `value` (any float dtype) at `offset`: master (+ compensation) and compute copy."""
+        value = value.reshape(-1)
+        if offset >= self.n_train:
+            self.compute[offset:offset + numel].copy_(value)
+            return
+        master = self.master.value[offset:offset + numel]
+        master.copy_(value)
+        if self.master.comp is not None:  # keep what rounding to bf16 dropped
+            self.master.comp[offset:offset + numel].copy_(value.float() - master.float())
+        if not self.master.is_compute:
+            self.compute[offset:offset + numel].copy_(self._decoded(offset, numel))
+
+    def _decoded(self, offset: int, numel: int) -> torch.Tensor:
+        """The master's value in fp32 (hi + lo with Kahan compensation)."""
+        value = self.master.value[offset:offset + numel].float()
+        return value if self.master.comp is None else value + self.master.comp[offset:offset + numel].float()
+
+    def bind_host(self) -> None:
+        """Point the model's parameters at their host views: trainable ones at the master."""
+        trainable = self.layout.views(self.master.value, len(self.trainable))
+        frozen = self.layout.views(self.compute)[len(self.trainable):]
+        for view, param in zip(trainable + frozen, self.params):
+            if param.is_meta:  # `.data =` cannot change a tensor's type; swap it (the object stays)
+                torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=param.requires_grad))
+            else:
+                param.data = view
         self.seen_versions = self.versions()
 
     def bind(self, flat: torch.Tensor) -> None:
@@ -92,44 +83,72 @@ class GroupState:
         return self.versions() != self.seen_versions
 
     def refresh_compute(self) -> None:
-        self.compute.copy_(self.master)
+        """The compute copy from the master, after a write through the model or a state load."""
+        if self.master.comp is not None and self.written_outside():
+            self.master.comp.zero_()  # a write through the model set the bf16 value alone
+        if not self.master.is_compute:
+            self.compute[:self.n_train].copy_(self._decoded(0, self.n_train))
         self.seen_versions = self.versions()
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return {**self.master.tensors(), **self.moments.tensors()}
+
     def host_bytes(self) -> int:
-        return self.numel * (12 + self.compute.element_size())
+        return self.numel * self.compute.element_size() + self.master.host_bytes() + self.moments.host_bytes()
 
 
-def split_groups(model: nn.Module, blocks: nn.ModuleList) -> tuple[list[list[tuple[str, nn.Parameter]]], list[tuple[str, nn.Parameter]]]:
-    """The named parameters of each block and of the rest (state_dict names), or a UserError for
-    a model the engine cannot stream: no blocks, blocks outside the model, shared or frozen
-    block parameters."""
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-        raise UserError(f"blocks must be a non-empty nn.ModuleList of the model's blocks, got "
-                        f"{type(blocks).__name__}{' of length 0' if isinstance(blocks, nn.ModuleList) else ''}")
-    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    owner: dict[int, str] = {}  # parameter id -> the block prefix that owns it
-    per_block = []
-    for index, block in enumerate(blocks):
-        if id(block) not in module_names:
-            raise UserError(f"blocks[{index}] is not a submodule of model; pass blocks=model.<its ModuleList>")
-        prefix = module_names[id(block)]
-        named = []
-        for local, param in block.named_parameters():
-            if id(param) in owner:
-                raise UserError(f"parameter {prefix}.{local} is shared between {owner[id(param)]} and {prefix}; "
-                                "the engine streams each block's own weights, so untie them")
-            if not param.requires_grad:
-                raise UserError(f"parameter {prefix}.{local} is frozen; the engine trains every block parameter "
-                                "(freeze whole modules outside the blocks instead)")
-            owner[id(param)] = prefix
-            named.append((f"{prefix}.{local}", param))
-        per_block.append(named)
-    rest, seen = [], set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in owner:
-            if not name.startswith(owner[id(param)] + "."):
-                raise UserError(f"parameter {name} is shared between {owner[id(param)]} and the rest of the model; untie it")
-        elif param.requires_grad and id(param) not in seen:
-            seen.add(id(param))
-            rest.append((name, param))
-    return per_block, rest
+class HostState:
+    """Every group of one engine: `blocks[i]` in call order and `rest`."""
+
+    def __init__(self, model, blocks, policy, allocate):
+        specs, rest = split_groups(model, blocks)
+        self.format = {"master": policy.master, "moments": policy.moments, "rounding": policy.rounding}
+        self.blocks = [GroupState(spec, policy, allocate) for spec in specs]
+        self.rest = GroupState(rest, policy, allocate)
+        self.groups = {REST: self.rest, **{g.key: g for g in self.blocks}}
+        self.norm_order = _parameter_order(model, self.groups)
+
+    def host_bytes(self) -> int:
+        return sum(g.host_bytes() for g in self.groups.values())
+
+    def trainable_numel(self) -> int:
+        return sum(g.n_train for g in self.groups.values())
+
+    def frozen_numel(self) -> int:
+        return sum(g.numel - g.n_train for g in self.groups.values())
+
+    def frozen_bytes(self) -> int:
+        """Host bytes of the frozen parameters: their compute copy alone."""
+        return sum((g.numel - g.n_train) * g.compute.element_size() for g in self.groups.values())
+
+    def state_dict(self) -> dict:
+        """Copies of every group's persistent state, and the storage format it is in."""
+        return {"format": dict(self.format),
+                "groups": {g.name: {k: v.clone() for k, v in g.state().items()} for g in self.groups.values()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved, expected = state.get("groups", {}), {g.name: g for g in self.groups.values()}
+        stored = state.get("format", {"master": "fp32", "moments": "fp32", "rounding": self.format["rounding"]})
+        if {k: stored.get(k) for k in ("master", "moments")} != {k: self.format[k] for k in ("master", "moments")}:
+            raise UserError(f"offload state was saved with master={stored.get('master')}, moments={stored.get('moments')}; "
+                            f"this engine has master={self.format['master']}, moments={self.format['moments']}")
+        if set(saved) != set(expected):
+            raise UserError(f"offload state has groups {sorted(saved)[:3]}...; this engine has {sorted(expected)[:3]}... "
+                            "(a different model)")
+        for name, group in expected.items():
+            for key, target in group.state().items():
+                tensor = saved[name].get(key)
+                if tensor is None or tensor.numel() != target.numel():
+                    raise UserError(f"offload state {name}.{key} is missing or has the wrong size for this model")
+                target.copy_(tensor)
+            group.refresh_compute()
+
+
+def _parameter_order(model, groups: dict) -> list[tuple[int, int]]:
+    """(group key, index among its trainable parameters) of each trainable parameter in
+    `model.parameters()` order: the order clip_grad_norm_ sums the norms in, which the clipped
+    result depends on bitwise."""
+    where = {}
+    for key, group in groups.items():
+        where.update({id(p): (key, i) for i, p in enumerate(group.trainable)})
+    return [where[id(p)] for p in model.parameters() if id(p) in where]

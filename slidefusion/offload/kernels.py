@@ -1,4 +1,5 @@
-"""Build and load `adamw_kernels.c` (plain C through ctypes, no torch headers: ~0.2 s to build).
+"""Build and load `adamw_kernels.c` and `lean_kernels.c` (plain C through ctypes, no torch headers:
+well under a second to build).
 
 The library is compiled once per source version and CPU into a cache folder
 ($SLIDEFUSION_CACHE, default ~/.cache/slidefusion). Without a C compiler `load()` returns None and
@@ -15,7 +16,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("adamw_kernels.c")
+SOURCES = [Path(__file__).with_name("adamw_kernels.c"), Path(__file__).with_name("lean_kernels.c")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 
 
@@ -33,7 +34,9 @@ def _signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.apply.argtypes = [P, P, P, P, I, L, F, F, F]
     lib.fused.argtypes = [P, P, I, P, P, P, I, L, F, I, F, I, F, F, F, F, F, F]
     lib.touch.argtypes = [P, P, P, P, P, L]
-    for fn in (lib.moments, lib.apply, lib.fused, lib.touch):
+    lib.lean_update.argtypes = [P, L, L]
+    lib.lean_floor.argtypes = [P, P, P, ctypes.c_int32, L]
+    for fn in (lib.moments, lib.apply, lib.fused, lib.touch, lib.lean_update, lib.lean_floor):
         fn.restype = None
     return lib
 
@@ -44,9 +47,9 @@ def load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None or os.environ.get("SLIDEFUSION_NO_C_KERNELS"):
         return None
-    if not SOURCE.is_file():  # an install without package data: torch fallbacks
+    if not all(path.is_file() for path in SOURCES):  # an install without package data: torch fallbacks
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     folder = Path(os.environ.get("SLIDEFUSION_CACHE", Path.home() / ".cache" / "slidefusion"))
     target = folder / f"adamw_kernels-{key}.so"
@@ -55,7 +58,7 @@ def load() -> ctypes.CDLL | None:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:  # build aside, then rename: atomic
                 built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
+                result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
                                         text=True, check=False)
                 if result.returncode != 0:
                     return None

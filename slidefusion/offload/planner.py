@@ -1,104 +1,43 @@
-"""The memory planner: what an offloaded training step needs, where, and whether it fits.
+"""The memory planner: what an offloaded training step needs, where, whether it fits, how fast.
 
-A plan is data (`Plan`): byte counts per place and per kind, PCIe traffic, a predicted step time
-and the reasons it does not fit. `plan_training` builds one for a model preset and a video size
-(the `slidefusion plan` command); `engine_footprint` builds the weight part for an engine from
-its actual parameter counts, and the engine refuses at start a plan whose `fits` is False.
+`plan_training` builds a `Plan` for a model (`shapes.ModelShape`: a preset, Wan 2.1, a diffusers
+folder) and a video size: the `slidefusion plan` command. `footprint.engine_plan` sizes an engine
+from its actual parameters; the caller refuses to build one whose plan does not fit.
 
 The accounting, per step with activation checkpointing at block boundaries:
-  host    14 B/param persistent (fp32 master + 2 fp32 moments + compute copy), gradient staging
-          (2 block buffers, or every block's gradient when clipping defers the update), and any
-          boundary activations that do not fit on the device.
-  device  (prefetch + 1) block buffers, the resident (non-block) weights and their gradients,
-          2 block-gradient buffers, one block's gradients as autograd makes them, the boundary
-          activations kept on the device, one block's recompute working set, and the attention
-          workspace of the chosen operator.
-  PCIe    weights up twice (forward, backward recompute), gradients down once, plus offloaded
-          activations down and up once.
+  host    persistent state (14 B/param with fp32 master and moments; down to 4 with a bf16 master
+          and 8-bit moments, see `formats`), gradient staging (2 block buffers, or every block's
+          gradient when clipping defers the update), and the boundary activations that do not
+          fit on the device.
+  device  (prefetch + 1) slots for streamed blocks, the resident blocks, the rest of the weights
+          and their gradients, block-gradient buffers, the boundary activations kept on the
+          device, one block's recompute working set, and the attention workspace.
+  PCIe    streamed blocks up twice (forward, backward recompute), resident ones once (after their
+          update), gradients down once, offloaded activations down and up once.
+  time    max(compute at an MFU, PCIe, the host AdamW's bytes at a host bandwidth): the three overlap.
 """
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from slidefusion.errors import UserError
+from slidefusion.offload.formats import update_bytes_per_param
+from slidefusion.offload.footprint import (  # noqa: F401  (re-exported: the planner's public names)
+    StateChoice,
+    auto_resident_blocks,
+    engine_footprint,
+    engine_plan,
+    require_fit,
+)
+from slidefusion.offload.plan import Plan, available_host_memory, device_capacity, human, parse_bytes  # noqa: F401
+from slidefusion.offload.shapes import ModelShape, model_shape, shape_of_config  # noqa: F401
 
-UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 WORKING_VALUES_PER_TOKEN = 16  # x hidden, plus 3 x mlp_ratio: the tensors one DiT block's backward holds
-
-
-def parse_bytes(text: str | float, name: str) -> int:
-    """'141GB', '1.5TB', '64GiB', or a plain number of bytes -> bytes (a UserError naming `name`)."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    number = text.strip().upper().rstrip("/S")
-    unit = number.lstrip("0123456789.E+-")
-    value = number[:len(number) - len(unit)]
-    try:
-        return int(float(value) * UNITS[unit.strip()])
-    except (ValueError, KeyError):
-        raise UserError(f"{name}={text!r} must be a size such as 141GB, 1.5TB or 64GiB") from None
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} TB"
-
-
-@dataclass
-class Plan:
-    """Bytes by place and kind, traffic, time, and why it does not fit (empty when it fits)."""
-
-    host: dict[str, int] = field(default_factory=dict)
-    device: dict[str, int] = field(default_factory=dict)
-    host_capacity: int | None = None
-    device_capacity: int | None = None
-    pcie_bytes: int = 0
-    step_s: float | None = None
-    notes: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(self.host.values())
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(self.device.values())
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-    def check_capacity(self) -> None:
-        """Fill `problems` from the totals and capacities."""
-        for place, used, capacity, parts in (("device", self.device_bytes, self.device_capacity, self.device),
-                                             ("host", self.host_bytes, self.host_capacity, self.host)):
-            if capacity is not None and used > capacity:
-                largest = sorted(parts, key=parts.get, reverse=True)[:2]
-                self.problems.append(f"{place} needs {human(used)} but has {human(capacity)} (largest parts: "
-                                     + ", ".join(f"{name} {human(parts[name])}" for name in largest) + ")")
-
-    def verdict(self) -> str:
-        return "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
-
-
-def engine_footprint(block_numels: list[int], resident_numel: int, compute_bytes: int, prefetch: int,
-                     clip: bool, checkpoint: bool = True) -> Plan:
-    """The weight, optimizer-state and gradient bytes of an engine (no activations)."""
-    total, largest = sum(block_numels) + resident_numel, max(block_numels)
-    plan = Plan()
-    plan.host["persistent state (14 B/param in bf16)"] = total * (12 + compute_bytes)
-    plan.host["gradient staging"] = (total if clip else 2 * largest + resident_numel) * compute_bytes
-    in_flight = (prefetch + 1) * largest if checkpoint else sum(block_numels)
-    plan.device["weights in flight"] = in_flight * compute_bytes
-    plan.device["resident weights + grads"] = 2 * resident_numel * compute_bytes
-    plan.device["block gradients"] = 3 * largest * compute_bytes
-    return plan
+ATTENTIONS = ("dense", "flash", "window", "slide")
+HOST_BYTES_S = 20e9  # host memory bandwidth the optimizer threads reach (a stated assumption; --host-bandwidth)
 
 
 @dataclass(frozen=True)
@@ -107,7 +46,7 @@ class Workload:
 
     batch: int
     tokens: int
-    attention: str  # dense | window | slide
+    attention: str  # dense | flash | window | slide
     window: int = 4 * 8 * 8  # tokens a query sees in window attention
     points: int = 32  # sampling points per query and head in slide attention
 
@@ -122,59 +61,90 @@ def attention_workspace(work: Workload, heads: int, hidden: int, compute_bytes: 
     n, b = work.tokens, work.batch
     if work.attention == "dense":  # materialised scores of one head at a time; flops 4 N^2 C
         return b * n * n * compute_bytes, 4.0 * b * n * n * hidden, "scores of one head (N^2) materialised"
+    if work.attention == "flash":  # fused kernels (SDPA's flash / memory-efficient): a log-sum-exp per row
+        return b * heads * n * 4, 4.0 * b * n * n * hidden, "flash attention, no N^2 scores"
     if work.attention == "window":
         return b * heads * n * work.window * compute_bytes, 4.0 * b * n * work.window * hidden, f"scores inside {work.window}-token windows"
     if work.attention == "slide":  # offsets (3) and weights (1) per point, values gathered on the fly
         return b * heads * n * work.points * 4 * compute_bytes, 4.0 * b * n * work.points * hidden, f"{work.points} sampled points per query and head"
-    raise UserError(f"attention={work.attention!r} is unknown; valid: dense, window, slide")
+    raise UserError(f"attention={work.attention!r} is unknown; valid: {', '.join(ATTENTIONS)}")
 
 
-def activation_parts(config, work: Workload, compute_bytes: int = 2) -> dict[str, int]:
-    """Device bytes of activations for a `ModelConfig` and workload, by kind (checkpoints included)."""
-    hidden, tokens = config.hidden, work.batch * work.tokens
-    blocks = config.depth * (2 if config.arch == "stdit" else 1)
-    workspace, _, how = attention_workspace(work, config.heads, hidden, compute_bytes)
+def activation_parts(shape: ModelShape, work: Workload, compute_bytes: int = 2) -> dict[str, int]:
+    """Device bytes of activations for a model shape and workload, by kind (checkpoints included)."""
+    hidden, tokens = shape.hidden, work.batch * work.tokens
+    workspace, _, how = attention_workspace(work, shape.heads, hidden, compute_bytes)
     return {
-        "activation checkpoints": blocks * tokens * hidden * compute_bytes,  # each block's input
-        "block working set": int(tokens * hidden * (WORKING_VALUES_PER_TOKEN + 3 * config.mlp_ratio) * compute_bytes),
+        "activation checkpoints": len(shape.block_params) * tokens * hidden * compute_bytes,  # each block's input
+        "block working set": int(tokens * hidden * (WORKING_VALUES_PER_TOKEN + 3 * shape.mlp_ratio) * compute_bytes),
         f"attention workspace ({how})": workspace,
     }
 
 
-def plan_training(config, work: Workload, gpu_memory: int, host_memory: int, pcie_bytes_s: float, tflops: float,
-                  prefetch: int = 1, compute_bytes: int = 2, mfu: float = 0.6) -> Plan:
-    """The full plan for a `ModelConfig` (built on the meta device) and a workload."""
-    from slidefusion.models import build_model
-
-    model = build_model(config, "meta")
-    block_numels = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
-    resident = sum(p.numel() for p in model.parameters()) - sum(block_numels)
-    plan = engine_footprint(block_numels, resident, compute_bytes, prefetch, clip=False)
-    plan.host_capacity, plan.device_capacity = host_memory, gpu_memory
-    parts = activation_parts(config, work, compute_bytes)
-    checkpoints = parts.pop("activation checkpoints")
-    plan.device.update(parts)
-    _place_checkpoints(plan, checkpoints)
-    params, tokens = sum(block_numels) + resident, work.batch * work.tokens
-    plan.pcie_bytes = sum(block_numels) * compute_bytes * 3 + 2 * plan.host.get("activation checkpoints", 0)
-    attn_flops = attention_workspace(work, config.heads, config.hidden, compute_bytes)[1]
-    flops = 4 * (2 * params * tokens + attn_flops * len(block_numels))  # forward, recompute, 2x backward
-    plan.step_s = max(flops / (tflops * 1e12 * mfu), plan.pcie_bytes / pcie_bytes_s)
-    plan.notes.append(f"{params / 1e9:.1f} B parameters in {len(block_numels)} blocks of {max(block_numels) / 1e9:.2f} B; "
-                      f"{work.tokens} tokens per sample; step time = max(compute at {mfu:.0%} MFU, PCIe)")
+def plan_training(model, work: Workload, gpu_memory: int, host_memory: int, pcie_bytes_s: float, tflops: float,
+                  prefetch: int = 1, compute_bytes: int = 2, mfu: float = 0.6, master: str = "fp32", moments: str = "fp32",
+                  resident_blocks: int | str = 0, host_bytes_s: float = HOST_BYTES_S) -> Plan:
+    """The full plan of one training step for a `ModelShape` (or one of our `ModelConfig`s) and a
+    workload; `resident_blocks="auto"` keeps as many blocks on the device as its plan leaves room for."""
+    shape = model if isinstance(model, ModelShape) else shape_of_config(model)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[compute_bytes]
+    choice = StateChoice(dtype, master, moments, prefetch=prefetch)
+    plan = _plan_with(shape, work, choice, gpu_memory, host_memory)
+    if resident_blocks == "auto":
+        resident_blocks = _auto_resident(shape, work, choice, gpu_memory, host_memory, plan)
+    if resident_blocks:
+        choice = dataclasses.replace(choice, resident_blocks=min(resident_blocks, len(shape.block_params)))
+        plan = _plan_with(shape, work, choice, gpu_memory, host_memory, "activation checkpoints" in plan.host)
+    _time(plan, shape, work, choice, (tflops, mfu, pcie_bytes_s, host_bytes_s))
     plan.check_capacity()
     return plan
 
 
-def _place_checkpoints(plan: Plan, total: int) -> None:
-    """Boundary activations stay on the device if they fit beside everything else, else go to host."""
+def _plan_with(shape, work, choice, gpu_memory, host_memory, checkpoints_on_host: bool | None = None) -> Plan:
+    plan = engine_footprint([(n, 0) for n in shape.block_params], (shape.rest_params, 0), choice)
+    plan.host_capacity, plan.device_capacity = host_memory, gpu_memory
+    parts = activation_parts(shape, work, choice.compute_bytes)
+    checkpoints = parts.pop("activation checkpoints")
+    plan.device.update(parts)
     spare = plan.device_capacity - plan.device_bytes
-    if total <= spare:
-        plan.device["activation checkpoints"] = total
+    if not (checkpoints <= spare if checkpoints_on_host is None else not checkpoints_on_host):
+        plan.host["activation checkpoints"] = checkpoints
+        plan.notes.append(f"activation checkpoints ({human(checkpoints)}) exceed the device's spare "
+                          f"{human(max(spare, 0))}: offloaded to host" if checkpoints_on_host is None else
+                          f"activation checkpoints ({human(checkpoints)}) go to host, resident blocks take the device's spare")
     else:
-        plan.host["activation checkpoints"] = total
-        plan.notes.append(f"activation checkpoints ({human(total)}) exceed the device's spare "
-                          f"{human(max(spare, 0))}: offloaded to host")
+        plan.device["activation checkpoints"] = checkpoints
+    return plan
+
+
+def _auto_resident(shape, work, choice, gpu_memory, host_memory, base: Plan) -> int:
+    """After activations (checkpoints placed as without residency), the most blocks that still fit."""
+    on_host = "activation checkpoints" in base.host
+    for count in range(len(shape.block_params), 0, -1):
+        trial = _plan_with(shape, work, dataclasses.replace(choice, resident_blocks=count), gpu_memory, host_memory, on_host)
+        if trial.device_bytes <= gpu_memory:
+            return count
+    return 0
+
+
+def _time(plan: Plan, shape: ModelShape, work: Workload, choice: StateChoice, rates: tuple) -> None:
+    """Step time = max(compute, PCIe, host AdamW): the transfers and the optimizer overlap compute."""
+    tflops, mfu, pcie, host_rate = rates
+    size, tokens, blocks = choice.compute_bytes, work.batch * work.tokens, shape.block_params
+    cut = len(blocks) - choice.resident_blocks
+    uploads = 2 * sum(blocks[:cut]) + sum(blocks[cut:]) + shape.rest_params  # streamed twice, resident once
+    plan.pcie_bytes = (uploads + shape.params) * size + 2 * plan.host.get("activation checkpoints", 0)
+    attention = attention_workspace(work, shape.heads, shape.hidden, size)[1]
+    cross = 4.0 * tokens * shape.text_tokens * shape.hidden
+    flops = 4 * (2 * shape.params * tokens + (attention + cross) * len(blocks))  # forward, recompute, 2x backward
+    parts = {"compute": flops / (tflops * 1e12 * mfu), "PCIe": plan.pcie_bytes / pcie,
+             "host AdamW": shape.params * update_bytes_per_param(choice.compute_dtype, choice.master, choice.moments,
+                                                                 choice.rounding) / host_rate}
+    plan.step_s = max(parts.values())
+    plan.notes.append(f"{shape.params / 1e9:.2f} B parameters in {len(blocks)} blocks of {max(blocks) / 1e9:.3g} B; "
+                      f"{work.tokens} tokens per sample; {choice.resident_blocks} blocks resident")
+    plan.notes.append("step time = max(" + ", ".join(f"{k} {v:.3g} s" for k, v in parts.items()) + f"), assuming "
+                      f"{tflops:g} TFLOP/s at {mfu:.0%} MFU, {human(pcie)}/s PCIe, host AdamW at {human(host_rate)}/s")
 
 
 def report(plan: Plan, title: str) -> str:
@@ -191,29 +161,11 @@ def report(plan: Plan, title: str) -> str:
     return "\n".join(lines)
 
 
-def available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo (bytes), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def device_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return None
-
-
-def largest_frames(config, work: Workload, frames: int, height: int, width: int, stride, sizes: dict) -> int:
+def largest_frames(shape: ModelShape, work: Workload, frames: int, height: int, width: int, stride, sizes: dict) -> int:
     """The most frames (a multiple of the temporal stride, < `frames`) whose plan fits; 0 if none."""
     def fits(n: int) -> bool:
-        tokens = tokens_for(n, height, width, config.patch_size, stride)
-        return plan_training(config, Workload(work.batch, tokens, work.attention), **sizes).fits
+        tokens = tokens_for(n, height, width, shape.patch, stride)
+        return plan_training(shape, Workload(work.batch, tokens, work.attention), **sizes).fits
 
     low, high = 0, frames // stride[0]  # in latent frames; fits(low) holds by convention
     while low < high:

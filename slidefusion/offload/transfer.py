@@ -7,6 +7,7 @@ dedicated copy stream; on CPU it is a job on a background thread, so the orderin
 code in both cases and races show up in CPU tests.
 """
 
+import itertools
 import queue
 import threading
 import time
@@ -73,29 +74,45 @@ def no_jitter() -> None:
     """The default fault injector: do nothing."""
 
 
+def serial_torch_here() -> None:
+    """Run the calling thread's torch CPU operations on one core. The engine's background threads
+    (copies, optimizer) work beside the compute thread; letting each of their small operations
+    fork torch's intra-op pool only makes them wait on cores the compute is using (measured: the
+    exact AdamW kernel 2.5x slower with 2 torch threads). torch keeps the thread count per thread,
+    but setting it also changes the default of threads started later: restore that elsewhere."""
+    keep = torch.get_num_threads()
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(keep,))
+    restore.start()
+    restore.join()
+
+
 class Worker:
     """One background thread running submitted jobs in order; each job gets a `ThreadHandle`.
 
     A job first waits (on this thread) for its `after` handles, so dependencies never block the
-    submitter. `jitter` runs before each job: tests set it to random sleeps to expose races.
+    submitter. `low` jobs run only when no other job is waiting (in order among themselves).
+    `jitter` runs before each job: tests set it to random sleeps to expose races.
     """
 
     def __init__(self, name: str):
         self.jitter: Callable[[], None] = no_jitter
         self.busy_s = 0.0  # seconds spent running jobs (not waiting for dependencies)
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = ()) -> ThreadHandle:
+    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = (), low: bool = False) -> ThreadHandle:
         handle = ThreadHandle()
-        self._jobs.put((job, after, handle))
+        self._jobs.put((int(low), next(self._order), (job, after, handle)))
         return handle
 
     def _run(self) -> None:
+        serial_torch_here()
         failed: BaseException | None = None
         while True:
-            item = self._jobs.get()
+            item = self._jobs.get()[2]
             if item is None:
                 return
             job, after, handle = item
@@ -115,22 +132,36 @@ class Worker:
                 handle.set(error)
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._jobs.put((2, next(self._order), None))  # after every job
         self._thread.join()
 
 
 class ThreadCopier:
-    """Copies on a background thread (CPU 'device'): `copy(dst, src, after) -> Handle`."""
+    """Copies on a background thread (CPU 'device'): `copy(dst, src, after) -> Handle`.
+
+    `set_bandwidth(bytes_per_s)` makes each copy last at least bytes / bandwidth, like a link of
+    that speed: benchmarks use it to build a transfer-bound configuration on a CPU."""
 
     def __init__(self, name: str):
         self.worker = Worker(name)
         self.host_wait_s = 0.0  # never blocks the submitter: dependencies wait on the worker
+        self.bytes_per_s: float | None = None
 
     def set_jitter(self, jitter: Callable[[], None]) -> None:
         self.worker.jitter = jitter
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
-        return self.worker.submit(lambda: dst.copy_(src), after)
+    def set_bandwidth(self, bytes_per_s: float | None) -> None:
+        self.bytes_per_s = bytes_per_s
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
+        """`low`: after every other copy already waiting (refreshes that must not delay streaming)."""
+        return self.worker.submit(lambda: self._copy(dst, src), after, low)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        start = time.perf_counter()
+        dst.copy_(src)
+        if self.bytes_per_s:
+            time.sleep(max(0.0, src.numel() * src.element_size() / self.bytes_per_s - (time.perf_counter() - start)))
 
     def marker(self) -> Handle:
         """The point the compute stream has reached; CPU compute is synchronous, so: now."""
@@ -143,15 +174,17 @@ class ThreadCopier:
 class CudaCopier:
     """Copies on a dedicated CUDA stream; dependencies become stream waits, not host waits."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, piece_bytes: int = 256 << 20):
         self.stream = torch.cuda.Stream(device=device)
         self.jitter: Callable[[], None] = no_jitter
         self.host_wait_s = 0.0  # time the submitter blocked on host-side (thread) dependencies
+        self.piece_bytes = piece_bytes  # = the page-locking chunk: no copy spans two locked ranges
 
     def set_jitter(self, jitter: Callable[[], None]) -> None:
         self.jitter = jitter  # runs in the submitting thread: delays the issue of the copy
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = ()) -> Handle:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
+        """`low` is a hint a CUDA copy stream cannot honour: its copies run in the order issued."""
         for dependency in after:
             if isinstance(dependency, CudaHandle):
                 self.stream.wait_event(dependency.event)
@@ -160,8 +193,10 @@ class CudaCopier:
                 dependency.synchronize()
                 self.host_wait_s += time.perf_counter() - start
         self.jitter()
+        piece = max(1, self.piece_bytes // src.element_size())
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+            for start in range(0, src.numel(), piece):  # copies start at a host buffer's base
+                dst[start:start + piece].copy_(src[start:start + piece], non_blocking=True)
             return CudaHandle(self.stream)
 
     def marker(self) -> Handle:
@@ -171,5 +206,5 @@ class CudaCopier:
         self.stream.synchronize()
 
 
-def make_copier(name: str, device: torch.device):
-    return CudaCopier(name, device) if device.type == "cuda" else ThreadCopier(name)
+def make_copier(name: str, device: torch.device, piece_bytes: int = 256 << 20):
+    return CudaCopier(name, device, piece_bytes) if device.type == "cuda" else ThreadCopier(name)

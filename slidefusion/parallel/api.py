@@ -11,11 +11,22 @@ from slidefusion.parallel.plan import ParallelConfig
 from slidefusion.parallel.trace import Tracer
 
 
+def model_batch_shape(pipe, config: ParallelConfig, frames=None, height=None, width=None, guidance=4.0):
+    """The latents (B, C, T, H, W) each sequence group's model call sees: CFG doubles the batch,
+    CFG-parallel gives each half to one group."""
+    data = pipe.config.data
+    latent = pipe.autoencoder.latent_shape(frames or data.frames, height or data.height, width or data.width)
+    batch = 1 if guidance == 1.0 or config.cfg_parallel else 2
+    return (batch, *latent)
+
+
 def parallel_latents(pipe, prompt: str, config: ParallelConfig, tracer: Tracer | None = None, **options) -> Tensor:
     """`pipe.latents(prompt, **options)` with the model run across the initialised process group.
 
     Every rank must call it with the same arguments; every rank returns the same latents."""
-    model = parallelize(pipe.model, config, tracer=tracer)
+    sizes = {k: options.get(k) for k in ("frames", "height", "width")}
+    shape = model_batch_shape(pipe, config, guidance=options.get("guidance", 4.0), **sizes)
+    model = parallelize(pipe.model, config, tracer=tracer, latent_shape=shape)
     options.setdefault("progress", dist.get_rank() == 0)
     return dataclasses.replace(pipe, model=model).latents(prompt, **options)
 
@@ -35,4 +46,4 @@ def generate(preset: str, prompt: str, world: int, config: ParallelConfig, seed:
     return spawn(_generate_rank, world, preset, seed, prompt, config, options, timeout_s=config.timeout_s)[0]
 
 
-__all__ = ["parallel_latents", "generate", "init_distributed"]
+__all__ = ["generate", "init_distributed", "model_batch_shape", "parallel_latents"]

@@ -50,7 +50,7 @@ class Handle:
             if self.work is not None:
                 self.work.wait()
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses with long texts
-            raise ParallelError(f"rank {self.comm.rank}: {self.name} failed (a peer died, timed out or disagreed): "
+            raise ParallelError(f"rank {self.comm.global_rank}: {self.name} failed (a peer died, timed out or disagreed): "
                                 f"{str(error).splitlines()[0][:200]}") from error
         delay = self.ready_at - time.perf_counter()
         if delay > 0:  # the emulated link has not delivered yet
@@ -63,12 +63,16 @@ class Handle:
 
 
 class Comm:
-    """A process group plus tracing and optional link emulation."""
+    """A process group plus tracing and optional link emulation.
+
+    `rank` and `size` are this process's place in the group and the group's size (what the layouts
+    use); `global_rank` is the process's rank in the whole job (what error messages name)."""
 
     def __init__(self, group=None, tracer: Tracer | None = None, link: LinkDelay | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
         self.tracer = tracer or Tracer(rank=dist.get_rank(), enabled=False)
         self.link = link
         self._link_free = 0.0
@@ -87,7 +91,7 @@ class Comm:
             work = dist.all_to_all_single(recv, send.contiguous(), recv_numels, send_numels,
                                           group=self.group, async_op=True)
         except Exception as error:
-            raise ParallelError(f"rank {self.comm_rank()}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
+            raise ParallelError(f"rank {self.global_rank}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
         remote = (sum(send_numels) - send_numels[self.rank]) * send.element_size()
         return Handle(self, work, recv, name, issued, self._ready_at(issued, remote))
 
@@ -98,10 +102,7 @@ class Comm:
         try:
             work = dist.all_gather(out, x.contiguous(), group=self.group, async_op=True)
         except Exception as error:
-            raise ParallelError(f"rank {self.comm_rank()}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
+            raise ParallelError(f"rank {self.global_rank}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
         remote = x.numel() * x.element_size() * (self.size - 1)
         Handle(self, work, x, name, issued, self._ready_at(issued, remote)).wait()
         return out
-
-    def comm_rank(self) -> int:
-        return dist.get_rank()

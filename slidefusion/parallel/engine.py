@@ -1,125 +1,163 @@
 """`parallelize`: the one generic function that reads a plan and a schedule and runs an unchanged
-model sequence-parallel (and optionally CFG-parallel) on a process group.
+model sequence-parallel (and optionally CFG-parallel) on a process group. It reads as a recipe:
+build the groups, plan the model, attach the hooks, resolve the slice count.
 
-Every rank embeds the full latents (a cheap patch convolution), keeps its shard, runs the blocks
-layer by layer in slices, gathers the tokens and applies the model's own head, so the sampler sees
-the full velocity on every rank and stays identical everywhere. Only layer outputs move between
-ranks; the blocks' math is the model's.
+Everything is an in-place hook (`hooks.py`), so the model's own forward - and whatever calls it:
+our sampler, a diffusers scheduler loop, `adapter.predict` - runs unchanged on every rank:
+  - on the model itself, `Engine`: per call, the token grid (`adapter.grid_from_call`), CFG-parallel
+    halves, per-token call arguments cut to this rank; it hands the per-call record to the others;
+  - ulysses: the first block shards the tokens, each attention site trades tokens for heads
+    (`ulysses.py`), temporal blocks cut their per-row arguments;
+  - dsp / scalefusion / scalefusion-inter: every block switches to the layout it needs (`layers.py`);
+  - per-token side outputs (Wan's rotary table) are cut to this rank's tokens;
+  - the token-wise output module runs on the shard and only its output is gathered (16-64 values
+    per token instead of the width), so the model returns the whole prediction on every rank.
 """
+
+import datetime
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from slidefusion.errors import UserError, check
+from slidefusion.parallel import hooks
 from slidefusion.parallel.comm import Comm
-from slidefusion.parallel.layout import FRAMES, POSITIONS, Split, block_view, local_slices, shard, to_canonical
-from slidefusion.parallel.plan import SCHEDULES, BlockRule, ParallelConfig, plan_for
-from slidefusion.parallel.switch import Handoff, Switch
+from slidefusion.parallel.layers import LayerCall, LayerHook
+from slidefusion.parallel.layout import FRAMES, POSITIONS
+from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
+from slidefusion.parallel.records import access_for
+from slidefusion.parallel.tokens import Tokens
 from slidefusion.parallel.trace import Tracer
-from slidefusion.parallel.ulysses import GridShape, ulysses_view
+from slidefusion.parallel.ulysses import UlyssesCall, UlyssesHook
+
+
+class Engine:
+    """The hook on the model itself: one parallel call per model call. `slices` is resolved
+    ("auto" measured in `parallelize`); `pair` is the CFG-parallel pair's Comm, or None."""
+
+    def __init__(self, plan: Plan, schedule: Schedule, comm: Comm, pair: Comm | None, tracer: Tracer):
+        self.plan, self.schedule, self.comm, self.pair, self.tracer = plan, schedule, comm, pair, tracer
+        self.slices = 1
+
+    def __call__(self, model: nn.Module, *args, **kwargs):
+        if hooks.current_call() is not None:  # a call made from inside a parallel call: already set up
+            return hooks.stock_forward(model, *args, **kwargs)
+        bound = hooks.bind(model, args, kwargs)
+        with self.tracer.step():
+            if self.pair is None:
+                return self.run(model, bound)
+            return self._cfg(model, bound)
+
+    def run(self, model: nn.Module, bound):
+        """One model call across the sequence group."""
+        hidden = bound.arguments[hooks.first_argument(bound)]
+        grid = self.plan.adapter.grid_from_call(model, bound.args[1:], bound.kwargs)
+        tokens = Tokens(tuple(grid), int(hidden.shape[0]), not self.plan.full, self.plan.access.layout,
+                        self.comm.size, self.comm.rank)
+        for name, dim in self.plan.access.token_args.items():
+            value = bound.arguments.get(name)
+            if isinstance(value, Tensor) and value.ndim > dim:
+                bound.arguments[name] = tokens.cut(value, dim)
+        with hooks.calling(self._call(tokens)):
+            return hooks.call_bound(bound)
+
+    def probe(self, fn, slices: int, hooks_fn=None) -> Tracer:
+        """Run `fn()` (a call of the model) with `slices`, no CFG pair and a fresh enabled tracer,
+        which it returns (`auto.py` reads its spans). `hooks_fn()` may register torch hooks for the
+        run and return their handles."""
+        saved = self.slices, self.tracer, self.pair, self.comm.tracer
+        tracer = Tracer(rank=self.comm.global_rank, enabled=True)
+        self.slices, self.tracer, self.pair, self.comm.tracer = slices, tracer, None, tracer
+        handles = hooks_fn() if hooks_fn is not None else []
+        try:
+            fn()
+        finally:
+            self.slices, self.tracer, self.pair, self.comm.tracer = saved
+            for handle in handles:
+                handle.remove()
+        return tracer
+
+    def _call(self, tokens: Tokens):
+        if self.schedule.heads:
+            return UlyssesCall(self.comm, tokens, self.slices, self.tracer)
+        counts = (self.schedule.slices(FRAMES, self.slices), self.schedule.slices(POSITIONS, self.slices))
+        return LayerCall(self.comm, tokens, tuple(self.plan.kinds), counts, self.schedule.overlap,
+                         dict(self.plan.access.rows), self.plan.access.chained, self.tracer)
+
+    def _cfg(self, model: nn.Module, bound):
+        """Conditional and unconditional halves of the batch on the two rank groups, then swapped."""
+        batch = bound.arguments[hooks.first_argument(bound)].shape[0]
+        if batch % 2:
+            raise UserError(f"cfg_parallel needs a cond+uncond batch (guidance != 1); got batch {batch}")
+        half, side = batch // 2, self.pair.rank
+        for name in self.plan.access.batched:
+            value = bound.arguments.get(name)
+            if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == batch:
+                bound.arguments[name] = value.narrow(0, side * half, half)
+        return _join_halves(self.pair, self.run(model, bound))
+
+
+def _join_halves(pair: Comm, out):
+    """Concatenate both groups' outputs along the batch: a tensor, a tuple of them, or a diffusers
+    output dataclass (a mapping)."""
+    if isinstance(out, Tensor):
+        return torch.cat(pair.all_gather(out.contiguous(), "cfg halves"))
+    if isinstance(out, tuple):
+        return type(out)(_join_halves(pair, o) if isinstance(o, Tensor) else o for o in out)
+    return type(out)(**{k: _join_halves(pair, v) if isinstance(v, Tensor) else v for k, v in out.items()})
 
 
 class ParallelDiT(nn.Module):
-    """A VideoDiT run across a process group; call it like the model (x, t, context, mask)."""
+    """The handle `parallelize` returns: calling it calls the (hooked) model, which is itself
+    parallel now; attributes not found here are the model's. `detach()` restores the model."""
 
-    def __init__(self, model: nn.Module, config: ParallelConfig, comm: Comm, pair: Comm | None, tracer: Tracer):
+    def __init__(self, model: nn.Module, engine: Engine, config: ParallelConfig):
         super().__init__()
-        self.model, self.config, self.comm, self.pair, self.tracer = model, config, comm, pair, tracer
-        self.schedule = SCHEDULES[config.schedule]
-        self.plan = plan_for(model, self.schedule)
-        self.grid = GridShape()
-        self.slices = config.slices if isinstance(config.slices, int) else None  # "auto": chosen on first call
-        self.runners = [self._runner(i, block) for i, block in enumerate(model.blocks)]
+        self.model, self.config = model, config
+        object.__setattr__(self, "engine", engine)  # not a submodule
 
-    def _runner(self, index: int, block: nn.Module) -> nn.Module:
-        rule = self.plan[block.kind]
-        if self.schedule.heads and rule.grid != "time":  # time attention is local when sharded by positions
-            return ulysses_view(block, rule.attention, rule.grid, self.comm, self.grid, f"{block.kind}[{index}]")
-        return block
+    @property
+    def slices(self) -> int:
+        return self.engine.slices
 
-    def layout(self, block: nn.Module) -> int:
-        """Ulysses keeps every block on positions; the sequence-parallel schedules follow the plan."""
-        return POSITIONS if self.schedule.heads else self.plan[block.kind].layout
+    @property
+    def tracer(self) -> Tracer:
+        return self.engine.tracer
 
-    def token_grid(self, shape):
-        return self.model.token_grid(shape)
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
-    def forward(self, x: Tensor, t: Tensor, context: Tensor, context_mask: Tensor | None = None) -> Tensor:
-        with self.tracer.step():
-            if self.pair is None:
-                return self._forward(x, t, context, context_mask)
-            return self._cfg_forward(x, t, context, context_mask)
+    def detach(self) -> nn.Module:
+        """Remove every parallel hook; the model runs as a single process again."""
+        hooks.detach_all(self.model)
+        return self.model
 
-    def _cfg_forward(self, x, t, context, mask):
-        """Conditional and unconditional halves of the batch on the two rank groups, then swapped."""
-        if x.shape[0] % 2:
-            raise UserError(f"cfg_parallel needs a cond+uncond batch (guidance != 1); got batch {x.shape[0]}")
-        half, side = x.shape[0] // 2, self.pair.rank
-        pick = slice(side * half, (side + 1) * half)
-        v = self._forward(x[pick], t[pick], context[pick], None if mask is None else mask[pick])
-        return torch.cat(self.pair.all_gather(v, "cfg halves"))
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
 
-    def _forward(self, x, t, context, mask):
-        model = self.model
-        with self.tracer.span("embed"):
-            tokens, c, context = model.embed(x, t, context)  # (B, T, H, W, C) on every rank
-        b, frames, h, w, width = tokens.shape
-        self.grid.hw = (h, w)
-        canonical = to_canonical(tokens)  # (B, T, S, C)
-        if self.slices is None:
-            from slidefusion.parallel.auto import choose_slices
 
-            self.slices = choose_slices(self, canonical, c, context, mask)
-        out = self._run_blocks(canonical, c, context, mask)
-        with self.tracer.span("head"):
-            return model.head(out.view(b, frames, h, w, width), c)
-
-    def _slices(self, layout: int) -> int:
-        return self.schedule.slices(layout, self.slices)
-
-    def _run_blocks(self, canonical: Tensor, c: Tensor, context: Tensor, mask) -> Tensor:
-        blocks, full = list(self.model.blocks), tuple(canonical.shape)
-        layouts = [self.layout(block) for block in blocks]
-        first = shard(canonical, layouts[0], Split(full[layouts[0]], self.comm.size), self.comm.rank)
-        incoming = Handoff(layouts[0], self._slices(layouts[0]))
-        incoming.send(0, first)
-        for i, (block, runner, axis) in enumerate(zip(blocks, self.runners, layouts)):
-            if i + 1 < len(blocks):
-                outgoing = self._outgoing(axis, layouts[i + 1], full, f"{block.kind}[{i}]")
-            else:
-                outgoing = Handoff(axis, 1)  # the last layer's slices are joined for the gather
-            for k in range(self._slices(axis)):
-                piece = incoming.receive(k)  # waits on exactly the chunks this slice needs
-                with self.tracer.span(f"{block.kind}[{i}] slice {k}"):
-                    out = self._run_block(runner, piece, axis, c, context, mask)
-                outgoing.send(k, out)  # starts this slice's switch while the next slice computes
-            incoming = outgoing
-        return self._gather(incoming.receive(0), layouts[-1], full)
-
-    def _outgoing(self, axis: int, after: int, full: tuple[int, ...], name: str):
-        if after == axis:
-            return Handoff(axis, self._slices(after))
-        return Switch(self.comm, full, axis, after, self._slices(axis), self._slices(after), self.schedule.overlap, name)
-
-    def _run_block(self, runner: nn.Module, piece: Tensor, axis: int, c, context, mask) -> Tensor:
-        # A rank holding no frames (T < P) or no positions has nothing to compute, unless the block
-        # itself communicates (Ulysses), in which case it must still take part.
-        if piece.numel() == 0 and not self.schedule.heads:
-            return piece
-        out = runner(block_view(piece, axis, self.grid.hw), c, context, mask)
-        return out.reshape(piece.shape)
-
-    def _gather(self, local: Tensor, axis: int, full: tuple[int, ...]) -> Tensor:
-        """Every rank's shard -> the full canonical tokens; shards are padded to one size for gloo."""
-        split = Split(full[axis], self.comm.size)
-        size = max(split.sizes)
-        pad = list(local.shape)
-        pad[axis] = size - local.shape[axis]
-        padded = torch.cat([local, local.new_zeros(pad)], dim=axis)
-        with self.tracer.span("gather tokens", "compute"):
-            pieces = self.comm.all_gather(padded, "gather tokens")
-        return torch.cat([p.narrow(axis, 0, n) for p, n in zip(pieces, split.sizes)], dim=axis)
+def attach_hooks(model: nn.Module, plan: Plan, schedule: Schedule) -> None:
+    """The schedule's hooks where the model's modules already sit (replacing earlier ones)."""
+    access = plan.access
+    hooks.detach_all(model)
+    hooks.attach(model.get_submodule(access.output), hooks.GatherHook())
+    for path, dim in access.token_outputs.items():
+        hooks.attach(model.get_submodule(path), hooks.TokenHook(dim))
+    if not schedule.heads:
+        for i, block in enumerate(plan.blocks):
+            hooks.attach(block, LayerHook(i))
+        return
+    hooks.attach(plan.blocks[0], hooks.ShardHook(plan.kinds[0]))
+    for block, kind in zip(plan.blocks, plan.kinds):
+        if kind == "temporal" and access.rows.get(kind):
+            hooks.attach(block, hooks.RowsHook(access.rows[kind]))
+    for site in plan.head_sites:
+        module = model.get_submodule(site.path)
+        hooks.attach(module, UlyssesHook(site, access_for(module)))
 
 
 def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | None]:
@@ -140,15 +178,37 @@ def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | No
     return seq, pair
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tracer | None = None) -> ParallelDiT:
-    """Wrap `model` (unchanged, shared parameters) to run across `group` (default: the world)
-    under `config`. Needs an initialised process group; see `launch.init_distributed`."""
+def _resolve_slices(model, engine: Engine, config: ParallelConfig, latent_shape) -> int:
+    slices = config.requested_slices
+    check_slices(engine.plan, engine.schedule, slices)
+    if slices != "auto":
+        return slices
+    if latent_shape is None:
+        raise UserError("slices='auto' measures this run's costs first: pass latent_shape=(B, C, T, H, W)")
+    from slidefusion.parallel.auto import choose_slices
+
+    return choose_slices(engine, model, tuple(latent_shape))
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tracer | None = None,
+                latent_shape: tuple[int, ...] | None = None) -> ParallelDiT:
+    """Run `model` (unchanged, shared parameters) across `group` (default: the world) under `config`.
+
+    Attaches in-place hooks, so from now on calling `model` itself runs it in parallel (every rank
+    must make the same calls); the returned handle calls it too and can `detach()` the hooks.
+    Needs an initialised process group (see `launch.init_distributed`). `latent_shape` (B, C, T, H, W),
+    the batch each sequence group sees, is needed only for slices="auto", which is measured here, once."""
     if not dist.is_initialized():
         raise UserError("parallelize needs torch.distributed initialised; run under torchrun or launch.spawn")
-    import datetime
-
     tracer = tracer or Tracer(rank=dist.get_rank(), enabled=False)
+    schedule = SCHEDULES[config.schedule]
     seq, pair = _groups(config, group, datetime.timedelta(seconds=config.timeout_s))
     comm = Comm(seq, tracer, config.link_delay)
+    plan = plan_for(model, schedule, ranks=comm.size)
+    check_slices(plan, schedule, config.requested_slices)
+    attach_hooks(model, plan, schedule)
     pair_comm = None if pair is None else Comm(pair, tracer, config.link_delay)
-    return ParallelDiT(model, config, comm, pair_comm, tracer)
+    engine = Engine(plan, schedule, comm, pair_comm, tracer)
+    hooks.attach(model, engine)
+    engine.slices = _resolve_slices(model, engine, config, latent_shape)
+    return ParallelDiT(model, engine, config)

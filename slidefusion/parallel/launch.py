@@ -30,12 +30,18 @@ def pick_backend() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def init_distributed(timeout_s: float = 300.0) -> torch.device:
-    """Join the process group torchrun (or `spawn`) described in the environment; returns the device."""
+def launcher_world() -> int:
+    """The world size torchrun (or `spawn`) put in the environment, or a UserError saying how to launch."""
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise UserError(f"--parallel needs a launcher: run under `torchrun --nproc-per-node P -m slidefusion ...` "
                         f"(missing {', '.join(missing)})")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def init_distributed(timeout_s: float = 300.0) -> torch.device:
+    """Join the process group torchrun (or `spawn`) described in the environment; returns the device."""
+    launcher_world()
     backend, device = pick_backend()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

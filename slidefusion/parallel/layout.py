@@ -107,19 +107,3 @@ def unpack_consumer_slice(buffers: list[Tensor], shapes: list[list[tuple[int, ..
             offset += numel
     order = sorted(blocks)  # (i, p) lexicographic: source rank first, then its slices
     return torch.cat([blocks[key] for key in order], dim=a_axis)
-
-
-def to_canonical(tokens: Tensor) -> Tensor:
-    """(B, T, H, W, C) -> (B, T, S, C), S = H*W."""
-    b, t, h, w, c = tokens.shape
-    return tokens.reshape(b, t, h * w, c)
-
-
-def block_view(x: Tensor, axis: int, grid_hw: tuple[int, int]) -> Tensor:
-    """Canonical shard (B, T', S', C) -> the 5-D tokens a block takes: whole frames (B, T', H, W, C)
-    when sharded by frames, or (B, T, S', 1, C) when sharded by positions (a temporal or token-wise
-    block never looks across positions, so a 1-wide grid is exact)."""
-    b, t, s, c = x.shape
-    if axis == FRAMES:
-        return x.view(b, t, grid_hw[0], grid_hw[1], c)
-    return x.view(b, t, s, 1, c)

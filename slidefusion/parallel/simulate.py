@@ -8,10 +8,9 @@ bytes over that link's bandwidth. The op graph is built from the same `Schedule`
 engine: layer slices, (producer x consumer) chunks per switch, blocking or overlapped.
 """
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from slidefusion.errors import UserError, check
+from slidefusion.errors import check
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.plan import SCHEDULES, Schedule
 
@@ -89,7 +88,9 @@ class StepCosts:
 
     spatial_s / temporal_s: one layer on the rank's whole shard; slice_overhead_s: extra compute per
     slice (launches, smaller matrices); shard_bytes: one layer's tokens on one rank; qkv_fraction and
-    attn_fraction split a spatial layer for Ulysses (before / inside / after its attention)."""
+    attn_fraction split a spatial layer for Ulysses (before / inside / after its attention);
+    gather_bytes: the output the rank shares at the end of a step (None: its tokens, shard_bytes; the
+    engine gathers the output module's few values per token instead)."""
 
     pairs: int
     spatial_s: float
@@ -100,6 +101,11 @@ class StepCosts:
     slowdown: float = 0.0
     qkv_fraction: float = 0.2
     attn_fraction: float = 0.3
+    gather_bytes: float | None = None
+
+    @property
+    def gathered(self) -> float:
+        return self.shard_bytes if self.gather_bytes is None else self.gather_bytes
 
 
 def _program(schedule: Schedule, costs: StepCosts, n: int) -> list[Op]:
@@ -126,7 +132,7 @@ def _program(schedule: Schedule, costs: StepCosts, n: int) -> list[Op]:
                     blocking.append(len(ops) - 1)
         inbound = outbound
     last = len(ops) - 1
-    ops.append(Op("gather tokens", "link", costs.link.seconds(costs.shard_bytes), [last]))
+    ops.append(Op("gather tokens", "link", costs.link.seconds(costs.gathered), [last]))
     ops.append(Op("head", "compute", 0.0, [len(ops) - 1]))
     return ops
 
@@ -144,16 +150,72 @@ def _ulysses_program(costs: StepCosts) -> list[Op]:
                                     ("rest", "compute", rest * costs.spatial_s),
                                     ("temporal", "compute", costs.temporal_s)):
             ops.append(Op(f"{name} {p}", kind, seconds, [len(ops) - 1] if ops else []))
-    ops.append(Op("gather tokens", "link", costs.link.seconds(costs.shard_bytes), [len(ops) - 1]))
+    ops.append(Op("gather tokens", "link", costs.link.seconds(costs.gathered), [len(ops) - 1]))
     ops.append(Op("head", "compute", 0.0, [len(ops) - 1]))
     return ops
 
 
-def simulate(schedule: str, costs: StepCosts, slices: int = 1) -> Result:
+@dataclass
+class FullCosts:
+    """One rank's costs for one model evaluation of a full-3D DiT under Ulysses, per block:
+    qkv_s (projection of this rank's tokens, all heads, QK norm and rotary included), attn_s (softmax
+    attention of this rank's heads over every token), out_s (output projection), rest_s (the block's
+    other per-token work: norms, cross-attention, MLP); qkv_peer_bytes / out_peer_bytes: what this
+    rank sends each peer in one whole exchange; gather_peer_bytes: the final token gather."""
+
+    blocks: int
+    qkv_s: float
+    attn_s: float
+    out_s: float
+    rest_s: float
+    qkv_peer_bytes: float
+    out_peer_bytes: float
+    gather_peer_bytes: float
+    link: Link
+    slice_overhead_s: float = 0.0
+    slowdown: float = 0.0
+
+
+def _full_block(ops: list[Op], costs: FullCosts, n: int, b: int) -> None:
+    """One block of (sliced) Ulysses, in the order `ulysses.ulysses_attention` issues it."""
+    def add(name, resource, seconds, deps):
+        ops.append(Op(f"{name} {b}", resource, seconds, deps))
+        return len(ops) - 1
+
+    over, link = costs.slice_overhead_s if n > 1 else 0.0, costs.link
+    last = add("rest", "compute", costs.rest_s, [len(ops) - 1] if ops else [])
+    sends = []
+    for k in range(n):
+        last = add(f"qkv {k}", "compute", costs.qkv_s / n + over, [last])
+        sends.append(add(f"a2a qkv {k}", "link", link.seconds(costs.qkv_peer_bytes / n), [last]))
+    tile, returns = costs.attn_s / (n * n), []
+    for j in range(n - 1):  # arrival j: 2j + 1 tiles of (query chunk, key chunk)
+        last = add(f"attend {j}", "compute", (2 * j + 1) * tile + 2 * over, [last, sends[j]])
+    for a in range(n):  # the last key chunk: each query chunk completes and goes back at once
+        seconds = tile + over if a < n - 1 else n * tile + over
+        last = add(f"attend last {a}", "compute", seconds, [last, sends[-1]])
+        returns.append(add(f"a2a out {a}", "link", link.seconds(costs.out_peer_bytes / n), [last]))
+    for a in range(n):
+        last = add(f"out {a}", "compute", costs.out_s / n + over, [last, returns[a]])
+
+
+def full_program(costs: FullCosts, n: int) -> list[Op]:
+    ops: list[Op] = []
+    for b in range(costs.blocks):
+        _full_block(ops, costs, n, b)
+    ops.append(Op("gather tokens", "link", costs.link.seconds(costs.gather_peer_bytes), [len(ops) - 1]))
+    ops.append(Op("head", "compute", 0.0, [len(ops) - 1]))
+    return ops
+
+
+def simulate(schedule: str, costs: StepCosts | FullCosts, slices: int = 1) -> Result:
+    if isinstance(costs, FullCosts):
+        check(schedule == "ulysses", f"a full-3D model runs under ulysses only, not {schedule}")
+        return run(full_program(costs, slices), costs.slowdown)
     return run(_program(SCHEDULES[schedule], costs, slices), costs.slowdown)
 
 
-def best_slices(schedule: str, costs: StepCosts, candidates=(1, 2, 4, 8, 16, 32)) -> int:
+def best_slices(schedule: str, costs: StepCosts | FullCosts, candidates=(1, 2, 4, 8, 16, 32)) -> int:
     """The slice count with the shortest simulated step (the smallest on ties)."""
     return min(candidates, key=lambda n: (round(simulate(schedule, costs, n).step_s, 12), n))
 
@@ -168,6 +230,7 @@ class ModelDims:
     mlp_ratio: float = 4.0
     text_len: int = 300
     patch: tuple[int, int, int] = (1, 2, 2)
+    out_values: int = 16  # values per token the output module produces: latent channels x patch volume
 
 
 SIM_MODELS = {
@@ -183,7 +246,9 @@ def model_dims(name: str) -> ModelDims:
 
     config = preset(name)  # raises a UserError listing the valid presets
     check(config.arch == "stdit", f"simulate needs an stdit model; {name} is {config.arch}")
-    return ModelDims(config.hidden, config.depth, config.heads, config.mlp_ratio, 77, config.patch_size)
+    patch = config.patch_size
+    return ModelDims(config.hidden, config.depth, config.heads, config.mlp_ratio, 77, patch,
+                     config.in_channels * patch[0] * patch[1] * patch[2])
 
 
 def layer_flops(dims: ModelDims, tokens: float, seq: float) -> tuple[float, float]:
@@ -209,15 +274,28 @@ class Hardware:
 
 
 HARDWARE = {
-    # A100 SXM: 312 TFLOP/s bf16 peak, ~50% achieved by DiT blocks; NVLink3 all-to-all ~150 GB/s per
-    # GPU; 400 Gb/s (50 GB/s) between nodes as in the issue; NCCL latency ~40 us per collective.
-    "a100": Hardware("a100", 156e12, 150e9, 50e9, 40e-6, 60e-6, 0.1),
+    # AWS P4d (8 x A100 40GB SXM, NVSwitch 600 GB/s per GPU both ways, 4 x 100 Gb/s EFA per node).
+    # Achieved rates: 130 TFLOP/s = 42% of the 312 bf16 peak for STDiT3-XL's blocks (width 1152, head
+    # dim 72, which FlashAttention pads to 96); NCCL all-to-all inside the node ~150 GB/s per GPU (half
+    # of 300 one way); 400 Gb/s = 50 GB/s per node between nodes at line rate, shared by its 8 GPUs;
+    # 40 us per collective, 60 us extra compute per slice, compute 10% slower while a transfer runs.
+    # `calibration_steps` shows what each assumption does to the paper's three numbers.
+    "a100": Hardware("a100", 130e12, 150e9, 50e9, 40e-6, 60e-6, 0.1),
+    # H100 SXM 80GB (8 per node, NVLink4 900 GB/s both ways: ~225 GB/s all-to-all per GPU). The FLOP rate
+    # is fitted to xDiT's HunyuanVideo times (simulate_full.xdit_check); the link between nodes is a
+    # P5's 3200 Gb/s EFA unless --inter-gbps says otherwise.
+    "h100": Hardware("h100", 336e12, 225e9, 400e9, 40e-6, 30e-6, 0.1),
 }
+
+# The first version of this profile (50% of peak, hidden tokens gathered every step): the numbers the
+# issue quoted (DSP 43.6% on 2 nodes, 2.38x from 1 to 4 nodes).
+FIRST_PROFILE = dict(flops=156e12, gather="tokens")
 
 
 def scenario_costs(dims: ModelDims, hw: Hardware, frames: int, positions: int, batch: int,
-                   nodes: int, per_node: int) -> StepCosts:
-    """Costs for a latent of `frames` x `positions` tokens per sample (CFG doubles the batch)."""
+                   nodes: int, per_node: int, gather: str = "output") -> StepCosts:
+    """Costs for a latent of `frames` x `positions` tokens per sample (CFG doubles the batch).
+    gather: "output" (what the engine shares each step: the output module's values) or "tokens"."""
     P = nodes * per_node
     tokens = batch * frames * positions / P
     s_dense, s_attn = layer_flops(dims, tokens, positions)
@@ -227,15 +305,17 @@ def scenario_costs(dims: ModelDims, hw: Hardware, frames: int, positions: int, b
     qkv = 2 * tokens * 3 * c * c / (s_dense + s_attn)
     return StepCosts(dims.pairs, (s_dense + s_attn) / hw.flops, (t_dense + t_attn) / hw.flops,
                      hw.slice_overhead_s, tokens * c * hw.bytes_per_value, link, hw.slowdown,
-                     qkv_fraction=qkv, attn_fraction=s_attn / (s_dense + s_attn))
+                     qkv_fraction=qkv, attn_fraction=s_attn / (s_dense + s_attn),
+                     gather_bytes=tokens * (c if gather == "tokens" else dims.out_values) * hw.bytes_per_value)
 
 
-def paper_scenario(hw: Hardware, node_counts=(1, 2, 4), per_node: int = 8, slice_options=(1, 2, 4, 8, 16, 32)) -> dict:
+def paper_scenario(hw: Hardware, node_counts=(1, 2, 4), per_node: int = 8, slice_options=(1, 2, 4, 8, 16),
+                   gather: str = "output") -> dict:
     """Open-Sora STDiT3-XL/2, 720p (90 x 160 latent, patch 2 -> S = 3600), ~16 s (T ~ 102), CFG batch 2."""
     dims = SIM_MODELS["stdit3-xl"]
     rows = []
     for nodes in node_counts:
-        costs = scenario_costs(dims, hw, 102, 3600, 2, nodes, per_node)
+        costs = scenario_costs(dims, hw, 102, 3600, 2, nodes, per_node, gather)
         rows.append(schedule_rows(costs, slice_options, {"nodes": nodes, "gpus": nodes * per_node}))
     return summarise(rows, node_counts)
 
@@ -261,6 +341,28 @@ def summarise(rows: list[dict], node_counts) -> dict:
             s[name]["speedup_vs_dsp"] = s["dsp"]["step_s"] / s[name]["step_s"]
             s[name]["scaling_vs_first"] = base[name]["step_s"] / s[name]["step_s"]
     return {"rows": rows, "paper": PAPER}
+
+
+def calibration_steps(hw: Hardware | None = None) -> list[dict]:
+    """The paper's three numbers (DSP's share on 2 nodes, scalefusion over DSP on 2 nodes, strong
+    scaling 1 -> 4 nodes) as the profile moves from its first version to the documented P4d one,
+    one assumption at a time."""
+    hw = hw or HARDWARE["a100"]
+    first = replace(hw, flops=FIRST_PROFILE["flops"])
+    steps = [("first profile: 156 TFLOP/s, hidden tokens gathered each step", first, "tokens"),
+             ("gather the output module's 16 values per token instead", first, "output"),
+             ("130 TFLOP/s, hidden tokens gathered", hw, "tokens"),
+             ("104 TFLOP/s, hidden tokens gathered", replace(hw, flops=104e12), "tokens"),
+             ("documented P4d profile: 130 TFLOP/s, output gathered", hw, "output")]
+    out = []
+    for label, profile, gather in steps:
+        rows = paper_scenario(profile, (1, 2, 4), gather=gather)["rows"]
+        two, four = rows[1]["schedules"], rows[2]["schedules"]
+        out.append({"assumption": label, "dsp_comm_share_2_nodes": two["dsp"]["comm_share"],
+                    "scalefusion_vs_dsp_2_nodes": two["scalefusion"]["speedup_vs_dsp"],
+                    "inter_vs_dsp_2_nodes": two["scalefusion-inter"]["speedup_vs_dsp"],
+                    "scaling_1_to_4_nodes": four["scalefusion-inter"]["scaling_vs_first"]})
+    return out
 
 
 PAPER = {

@@ -1,78 +1,136 @@
-"""Head-parallel (Ulysses) attention for tokens sharded by positions.
+"""Head-parallel (Ulysses) attention, plain and sliced, as in-place hooks on an unchanged model.
 
-The block is unchanged; only a view of it gets its self-attention wrapped: the qkv projection runs
-on the local positions, one all-to-all trades positions for heads (every rank then sees all
-positions of its heads), the unchanged operator attends, and a second all-to-all trades back.
-Heads that P does not divide are split unevenly; a rank may get none and then attends to nothing.
+Tokens are sharded over the ranks of the group. At each attention site that spans ranks, the hook
+projects this rank's tokens to q/k/v with the module's own projection (all heads), trades tokens
+for heads (an uneven all-to-all: each rank then holds every token of its heads), attends, trades
+back and applies the module's own output projection. Heads P does not divide are split unevenly.
+
+Sliced (`slices` n > 1; full-3D dense attention), this rank's tokens cut into n chunks:
+ 1. chunk k is projected and its exchange starts at once: it travels while chunk k+1 is projected;
+ 2. waiting on key chunk j, every query chunk received so far attends to it and the partial
+    results merge by log-sum-exp (chunked.py): chunk j+1 travels under that attention;
+ 3. after the last key chunk, query chunk a is complete and goes back at once, under the attention
+    of the query chunks after it and the output projections of those before it;
+ 4. the output projection of chunk a waits on exactly chunk a's return.
+Per-token work (projection, QK norm, rotary) is all the access record's `project`, so a model whose
+QK norm spans every head (Wan's RMSNorm over heads x D) slices the same way.
 """
 
-import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from slidefusion.attention import GridAttention
-from slidefusion.errors import UserError
+from slidefusion.parallel.chunked import attention_lse, merge
 from slidefusion.parallel.comm import Comm
+from slidefusion.parallel.exchange import start_trade
+from slidefusion.parallel.hooks import current_call, stock_forward
 from slidefusion.parallel.layout import Split
+from slidefusion.parallel.records import AttentionAccess, AttentionSite
+from slidefusion.parallel.tokens import Tokens
+from slidefusion.parallel.trace import Tracer
 
 
-class GridShape:
-    """The (H, W) token grid of the current forward, shared by the wrappers (set per call)."""
+@dataclass(frozen=True)
+class UlyssesCall:
+    """One model evaluation as the hooks see it: the group, this call's tokens (`Tokens`: grid,
+    batch, layout; positions sharded within each frame for a model with temporal blocks, else the
+    flattened T*H*W sequence), and the slice count."""
 
-    hw: tuple[int, int] = (0, 0)
+    comm: Comm
+    tokens: Tokens
+    slices: int
+    tracer: Tracer
 
+    def gather(self, y: Tensor) -> Tensor:
+        """The output module's output on this rank's tokens -> the whole of it on every rank."""
+        with self.tracer.span("gather tokens"):
+            return self.tokens.gather(self.comm, y)
 
-def _trade(comm: Comm, x: Tensor, scatter_dim: int, scatter: Split, gather_dim: int, gather: Split, name: str) -> Tensor:
-    """Blocking uneven all-to-all: x's `scatter_dim` is cut by `scatter` (piece j to rank j) and the
-    received pieces are concatenated along `gather_dim` in source order (source i holds gather's piece i)."""
-    pieces = [x.narrow(scatter_dim, *scatter.range(j)).contiguous() for j in range(comm.size)]
-    out_shapes = []
-    for i in range(comm.size):
-        shape = list(pieces[comm.rank].shape)
-        shape[gather_dim] = gather.sizes[i]
-        out_shapes.append(shape)
-    numels = [int(torch.Size(s).numel()) for s in out_shapes]
-    flat = torch.cat([p.reshape(-1) for p in pieces])
-    received = comm.all_to_all(flat, [p.numel() for p in pieces], numels, name).wait()
-    blocks = [b.view(s) for b, s in zip(received.split(numels), out_shapes)]
-    return torch.cat(blocks, dim=gather_dim)
-
-
-class UlyssesAttention(nn.Module):
-    """Wraps a `GridAttention` that attends across positions; input (B, T, S_r, 1, C) by positions."""
-
-    def __init__(self, inner: GridAttention, grid: str, comm: Comm, shape: GridShape, name: str):
-        super().__init__()
-        if not isinstance(inner, GridAttention):
-            raise UserError(f"ulysses needs a GridAttention (qkv, attend, proj) at the plan's attention path; "
-                            f"got {type(inner).__name__}")
-        self.inner, self.grid, self.comm, self.shape, self.name = inner, grid, comm, shape, name
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, s_local, _, c = x.shape
-        heads, hd = self.inner.heads, c // self.inner.heads
-        h, w = self.shape.hw
-        positions, head_split = Split(h * w, self.comm.size), Split(heads, self.comm.size)
-        qkv = self.inner.qkv(x).view(b, t, s_local, 3, heads, hd)  # (B, T, S_r, 3, heads, D)
-        qkv = _trade(self.comm, qkv, 4, head_split, 2, positions, f"{self.name} qkv heads")  # (B, T, S, 3, h_r, D)
-        mine = qkv.shape[4]
-        if mine and t:
-            grid = (b * t, 1, h, w) if self.grid == "frame" else (b, t, h, w)
-            q, k, v = qkv.reshape(*grid, 3, mine, hd).unbind(dim=4)  # each (*grid, h_r, D)
-            out = self.inner.attend(q, k, v).reshape(b, t, h * w, mine, hd)  # (B, T, S, h_r, D)
-        else:  # no heads (heads < P) or no frames here: nothing to attend, still take part in the trade
-            out = qkv.new_zeros(b, t, h * w, mine, hd)
-        out = _trade(self.comm, out, 2, positions, 3, head_split, f"{self.name} out heads")  # (B, T, S_r, heads, D)
-        return self.inner.proj(out.reshape(b, t, s_local, 1, c))
+    def site_tokens(self, kind: str) -> tuple[int, tuple[int, int, int]]:
+        """(tokens one attention group spans, the grid its operator sees) for a site of `kind`."""
+        t, h, w = self.tokens.grid
+        return (h * w, (1, h, w)) if kind == "spatial" else (t * h * w, (t, h, w))
 
 
-def ulysses_view(block: nn.Module, attention_path: str, grid: str, comm: Comm, shape: GridShape, name: str) -> nn.Module:
-    """A shallow view of `block` (same parameters, same forward) whose self-attention is wrapped.
+class UlyssesHook:
+    """At one attention site: x (G, ..., C) holding this rank's n_r tokens of each of G attention
+    groups ((G, 1, n_r, 1, C) for our grid operators, (G, n_r, C) for diffusers' attention)."""
 
-    The model itself is not modified: the view has its own submodule table."""
-    inner = block.get_submodule(attention_path)
-    view = copy.copy(block)
-    view._modules = dict(block._modules)
-    setattr(view, attention_path.split(".")[0], UlyssesAttention(inner, grid, comm, shape, name))
-    return view
+    def __init__(self, site: AttentionSite, access: AttentionAccess):
+        self.site, self.access = site, access
+
+    def __call__(self, module: nn.Module, x: Tensor, *args, **kwargs):
+        call = current_call()
+        if not isinstance(call, UlyssesCall):  # outside a Ulysses call the module runs as it is
+            return stock_forward(module, x, *args, **kwargs)
+        n, grid = call.site_tokens(self.site.kind)
+        local = x.reshape(x.shape[0], -1, x.shape[-1])  # (G, n_r, C)
+        out = ulysses_attention(module, self.access, local, call, Split(n, call.comm.size), grid,
+                                f"attn[{self.site.block}]", args, kwargs)
+        return out.view(x.shape)
+
+
+def ulysses_attention(module, access: AttentionAccess, x: Tensor, call: UlyssesCall, tokens: Split,
+                      grid: tuple[int, int, int], name: str, args=(), kwargs=None) -> Tensor:
+    """This rank's tokens x (G, n_r, C) -> the attention output for them (G, n_r, C); args/kwargs:
+    the rest of the module's call, handed to the access record's `project` with each chunk's span."""
+    comm, n = call.comm, call.slices
+    heads = Split(access.heads(module), comm.size).sizes
+    chunks = [tokens.sub(i, n) for i in range(comm.size)]
+    sizes = [[chunks[i][k][1] for i in range(comm.size)] for k in range(n)]  # sizes[k][i]: chunk k of rank i
+    inbound, start = [], 0
+    for k, part in enumerate(torch.split(x, [s[comm.rank] for s in sizes], dim=1)):
+        with call.tracer.span(f"{name} qkv {k}"):
+            qkv = access.project(module, part, args, kwargs or {}, (start, part.shape[1]))  # (G, m, 3, heads, D)
+        start += part.shape[1]
+        inbound.append(start_trade(comm, qkv, 3, heads, 1, sizes[k], f"{name} qkv {k}"))
+    if n == 1:
+        outbound = [_attend_whole(module, access, inbound[0], call, heads, sizes[0], grid, name)]
+    else:
+        outbound = _attend_chunked(inbound, call, heads, sizes, name)
+    outs = []
+    for a, trade in enumerate(outbound):
+        o = trade.wait()  # (G, m_a, heads, D): this rank's tokens of chunk a, every head
+        with call.tracer.span(f"{name} out {a}"):
+            outs.append(access.output(module, o))
+    return torch.cat(outs, dim=1)
+
+
+def _attend_whole(module, access, inbound, call, heads, sizes, grid, name):
+    """Plain Ulysses: the module's own operator on the whole grid of this rank's heads."""
+    qkv = inbound.wait()  # (G, N, 3, h_r, D), tokens in global order
+    g, total, _, mine, d = qkv.shape
+    with call.tracer.span(f"{name} attend"):
+        q, k, v = qkv.view(g, *grid, 3, mine, d).unbind(dim=-3)  # each (G, T, H, W, h_r, D)
+        out = access.attend(module, q, k, v).reshape(g, total, mine, d)
+    return start_trade(call.comm, out, 1, sizes, 2, heads, f"{name} out")
+
+
+def _attend_chunked(inbound, call: UlyssesCall, heads, sizes, name):
+    """Sliced Ulysses, steps 2 and 3 of the module docstring; returns the return trades in chunk order."""
+    n = len(inbound)
+    queries, keys, values = [], [], []
+    partial: list = [None] * n
+    outbound: list = [None] * n
+
+    def send(a: int):
+        q = queries[a]
+        out = q.new_zeros(q.shape) if partial[a] is None else partial[a][0]  # a chunk with no queries
+        outbound[a] = start_trade(call.comm, out, 1, sizes[a], 2, heads, f"{name} out {a}")
+
+    for j in range(n):
+        q, k, v = inbound[j].wait().unbind(dim=2)  # each (G, M_j, h_r, D)
+        queries.append(q)
+        keys.append(k)
+        values.append(v)
+        last = j == n - 1
+        with call.tracer.span(f"{name} attend {j}"):
+            for a in range(j):  # earlier query chunks see the new keys
+                partial[a] = merge(partial[a], attention_lse(queries[a], k, v))
+                if last:
+                    send(a)
+            partial[j] = merge(partial[j], attention_lse(q, torch.cat(keys, dim=1), torch.cat(values, dim=1)))
+            if last:
+                send(j)
+    return outbound

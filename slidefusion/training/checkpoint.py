@@ -10,12 +10,12 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -23,6 +23,9 @@ from slidefusion.errors import UserError
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 REQUIRED = ("config.json", "model.safetensors")
+# The hidden names `atomic_folder` gives a checkpoint while it is written (mkdtemp's 8 random
+# characters) and while an old one is moved aside; only these are ever cleaned up as stale.
+TEMPORARY = re.compile(r"^\.(old-)?checkpoint-\d+-[a-z0-9_]+$")
 
 
 def checkpoint_steps(run_dir: Path) -> dict[int, Path]:
@@ -51,6 +54,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if latest is None:
         raise UserError(f"checkpoint {path} not found: expected a folder with {' and '.join(REQUIRED)} or a run folder with checkpoint-STEP/ inside")
     return latest
+
+
+def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or infinity, or None."""
+    return next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
 
 
 def contiguous_state(module_or_state: nn.Module | dict) -> dict[str, torch.Tensor]:
@@ -99,37 +107,55 @@ def atomic_folder(final: Path):
     try:
         yield tmp
         _fsync_dir(tmp)
-        if final.exists():  # replacing: move the old one aside first, since rename is the atomic step
-            shutil.rmtree(final.rename(final.with_name(f".old-{final.name}-{os.getpid()}")))
+        old = None
+        if final.exists():  # replacing: move the old one aside, put the new one in, then delete the old
+            old = final.rename(final.with_name(f".old-{final.name}-{os.getpid()}"))
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(folder: Path) -> None:
-    for child in folder.iterdir():
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
+    for child in folder.rglob("*"):  # subfolders too: a diffusers export holds one per component
+        if child.is_file():
+            with open(child, "rb") as handle:
+                os.fsync(handle.fileno())
 
 
 def load_checkpoint(path: str | Path, with_state: bool = False) -> Checkpoint:
     """Read a checkpoint folder (or a run folder's latest); UserError if it is missing or broken."""
     folder = resolve_checkpoint(path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        model = load_file(folder / "model.safetensors")
-        ema = load_file(folder / "ema.safetensors") if (folder / "ema.safetensors").is_file() else None
-        state = None
-        if with_state:
-            if not (folder / "state.pt").is_file():
-                raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
-            state = torch.load(folder / "state.pt", weights_only=False)
-    except (OSError, ValueError, SafetensorError, RuntimeError) as error:
-        if isinstance(error, UserError):
-            raise
-        raise UserError(f"checkpoint {folder} cannot be read: {str(error).splitlines()[0]}") from None
+    config = _read(folder, "config.json", lambda f: json.loads(f.read_text()))
+    if not isinstance(config, dict):
+        raise UserError(f"checkpoint {folder}: config.json must hold a mapping, not a {type(config).__name__}")
+    model = _read(folder, "model.safetensors", load_file)
+    ema = _read(folder, "ema.safetensors", load_file) if (folder / "ema.safetensors").is_file() else None
+    state = None
+    if with_state:
+        if not (folder / "state.pt").is_file():
+            raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
+        # weights_only: a state.pt is tensors, numbers and dicts; loading it never runs pickled code
+        state = _read(folder, "state.pt", lambda f: torch.load(f, weights_only=True),
+                      reason="not a training state slidefusion wrote (damaged, or another program's file)")
+        if not isinstance(state, dict):
+            raise UserError(f"checkpoint {folder}: state.pt holds a {type(state).__name__}, not a training state")
     return Checkpoint(folder, config, model, ema, state)
+
+
+def _read(folder: Path, name: str, reader, reason: str | None = None):
+    """`reader(folder / name)`, with any failure to parse the file as one UserError line (`reason`,
+    or the parser's own first line): a damaged file can make a parser raise nearly anything
+    (torch's unpickler: IndexError, KeyError, ...)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # parsers' notes about odd input would precede our one line
+            return reader(folder / name)
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        reason = reason or (str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+        raise UserError(f"checkpoint {folder} cannot be read: {name}: {reason}") from None
 
 
 def load_matching(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -154,14 +180,47 @@ def load_matching(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[l
     return loaded, skipped
 
 
-def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+def check_export_destination(source: Path, destination: str | Path, force: bool = False) -> Path:
+    """Where an export may write, or a UserError: never an existing entry unless `force` (and then
+    only a folder), never the checkpoint or its run folder, inside them, or a folder holding them
+    or the current folder. Every export format calls this before it writes anything."""
+    destination = Path(destination)
+    target = destination.resolve()
+    protected = [Path(source).resolve()]
+    if CHECKPOINT.match(protected[0].name):
+        protected.append(protected[0].parent)  # the run folder
+    for folder in protected:
+        if target == folder or folder in target.parents:
+            raise UserError(f"--out {destination} is inside the checkpoint or run folder {folder}; "
+                            "export somewhere else (it must never touch its source)")
+    if target in protected[0].parents:
+        raise UserError(f"--out {destination} holds the checkpoint {source}; replacing it would delete the source")
+    if destination.exists() or destination.is_symlink():
+        if not destination.is_dir() or destination.is_symlink():
+            raise UserError(f"--out {destination} is an existing file or link; export writes a folder, give a new path")
+        if not force:
+            raise UserError(f"--out {destination} already exists; add --force to replace it, or give a new path")
+        if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+            raise UserError(f"--out {destination} holds the current folder; give a new path")
+    return destination
+
+
+def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.dtype = torch.float16,
+                      force: bool = False) -> Path:
     """A sampling-only copy of a checkpoint: config + the EMA (or raw) weights cast to `dtype`.
 
-    This is how the bundled demo model is made: half the bytes, no optimizer state.
+    This is how the bundled demo model is made: half the bytes, no optimizer state. An existing
+    `destination` is replaced only with `force` (see `check_export_destination`).
     """
+    destination = check_export_destination(resolve_checkpoint(source), destination, force)
     ckpt = load_checkpoint(source)
-    destination = Path(destination)
     weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.sampling_weights.items()}
+    bad = first_nonfinite(weights)
+    if bad is not None:
+        finite_before = torch.isfinite(ckpt.sampling_weights[bad]).all()
+        why = (f"does not fit in {dtype} (its range is too small); use --dtype bfloat16 or float32" if finite_before
+               else "holds NaN or infinity; export an earlier checkpoint")
+        raise UserError(f"weight {bad} of {ckpt.path} {why}")
     with atomic_folder(destination) as tmp:
         (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2))
         save_file(contiguous_state(weights), tmp / "model.safetensors", metadata={"source": str(ckpt.path)})

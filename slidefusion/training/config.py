@@ -5,6 +5,8 @@ the dotted key and what would be valid.
 """
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import yaml
 
+from slidefusion import validate
 from slidefusion.data.shapes import START_MODES
 from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
 from slidefusion.offload.config import OffloadConfig
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
+from slidefusion.training.finetune.config import LoraConfig, PretrainedModelConfig
 
 
 @dataclass
@@ -35,14 +39,20 @@ class DataConfig:
     root: str | None = None  # the video folder, for kind="folder"
     stride: int = 1  # frame stride when reading real videos
     fps: int = 8  # playback rate of exported videos
+    cache_dir: str | None = None  # latent and text caches of a diffusers fine-tune (null: RUN/cache)
 
     def __post_init__(self):
         for name in ("frames", "height", "width", "num_samples", "max_objects", "stride", "fps"):
             value = getattr(self, name)
             check(value >= 1, f"data.{name}={value} must be >= 1")
+        check(self.fps <= 1000, f"data.fps={self.fps} must be <= 1000 (the playback rate of exported videos)")
         check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
         check(self.start in START_MODES, f"data.start={self.start!r} is unknown; valid: {', '.join(START_MODES)}")
         check(self.kind != "folder" or self.root, "data.root must name the video folder when data.kind=folder")
+
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a plain folder name: no path, not . or ..
+RUN_SEED_MAX = 2**32 - 1  # step seeds are seed * 1_000_003 + step, which must stay below 2**64
 
 
 @dataclass
@@ -65,20 +75,41 @@ class RunConfig:
             value = getattr(self, name)
             check(value >= 1, f"run.{name}={value} must be >= 1")
         check(self.keep_last is None or self.keep_last >= 1, f"run.keep_last={self.keep_last} must be >= 1 or null")
-        check(self.name and "/" not in self.name, f"run.name={self.name!r} must be a non-empty name without '/'")
+        check(isinstance(self.name, str) and RUN_NAME.match(self.name) is not None and len(self.name) <= 200,
+              f"run.name={self.name!r} must be a plain folder name: letters, digits, '.', '_' or '-', "
+              "starting with a letter or digit")
+        check(bool(str(self.output_dir).strip()), f"run.output_dir={self.output_dir!r} must name a folder")
+        check(bool(str(self.device).strip()), f"run.device={self.device!r} must name a device, e.g. cpu or cuda")
+        validate.integer(self.seed, "run.seed", 0, RUN_SEED_MAX)
+        check(self.steps <= 2**62, f"run.steps={self.steps} must be <= 2**62")
 
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=lambda: preset("dit3d-tiny"))
+    """A training run. `model` is one of our presets (ModelConfig) or, with `model.pretrained=DIR`, the
+    transformer of a diffusers pipeline folder, whose text encoders and VAE then come from the folder
+    (`text_encoder`, `text_max_length` and `autoencoder` apply to our own models only)."""
+
+    model: ModelConfig | PretrainedModelConfig = field(default_factory=lambda: preset("dit3d-tiny"))
     data: DataConfig = field(default_factory=DataConfig)
     diffusion: FlowConfig = field(default_factory=FlowConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     text_encoder: str = "minilm"
     text_max_length: int = 32
     autoencoder: str = "identity"
+
+    def __post_init__(self):
+        check(self.pretrained or not self.lora.enabled,
+              f"lora.rank={self.lora.rank} applies to diffusers folders only; add model.pretrained=DIR, "
+              "or set lora.rank=null")
+
+    @property
+    def pretrained(self) -> bool:
+        """A fine-tune of a diffusers folder (`model.pretrained=DIR`)."""
+        return isinstance(self.model, PretrainedModelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -106,14 +137,17 @@ def _coerce(value, annotation, key: str):
     if origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key}={value!r} must be a mapping")
+        _check_finite_inside(value, key)
         return value
     if annotation is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
-            return float(value)
-        except ValueError:
+            float(value)
+        except (ValueError, OverflowError):
             pass
+        else:  # every float key, present or future, is finite (ranges are each section's own check)
+            return validate.finite(value, key)
     if annotation is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
+        return validate.integer(value, key)
     if annotation is bool and isinstance(value, bool):
         return value
     if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -121,10 +155,31 @@ def _coerce(value, annotation, key: str):
     raise UserError(f"{key}={value!r} must be a {getattr(annotation, '__name__', annotation)}")
 
 
-def _model_from_dict(data: dict, key: str) -> ModelConfig:
-    """A `model:` section: an optional `preset` name, then any ModelConfig fields on top."""
+def _check_finite_inside(value, key: str) -> None:
+    """No NaN or infinity anywhere inside a free-form mapping or list (e.g. attention_options)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{key}={value!r} must be a finite number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for name, inner in items:
+        _check_finite_inside(inner, f"{key}.{name}")
+
+
+def _model_from_dict(data: dict, key: str) -> ModelConfig | PretrainedModelConfig:
+    """A `model:` section: an optional `preset` name, then any ModelConfig fields on top; or
+    `pretrained: DIR` (a diffusers folder, whose config.json defines the model)."""
+    if not isinstance(data, dict):
+        raise UserError(f"{key}={data!r} must be a section (a mapping), e.g. {key}.preset=dit3d-tiny")
+    if "pretrained" in data:
+        valid = [f.name for f in dataclasses.fields(PretrainedModelConfig)]
+        other = [k for k in data if k not in valid]
+        if other:
+            raise UserError(f"{key}.{other[0]} cannot be combined with {key}.pretrained (the folder's config.json "
+                            f"defines the model); valid keys with {key}.pretrained: {', '.join(valid)}")
+        return build(PretrainedModelConfig, data, key)
     data = dict(data)
     name = data.pop("preset", None)
+    if name is not None and not isinstance(name, str):
+        raise UserError(f"{key}.preset={name!r} must be a preset name, e.g. dit3d-tiny")
     base = dataclasses.asdict(preset(name)) if name is not None else {}
     return build(ModelConfig, {**base, **data}, key)
 
@@ -142,7 +197,7 @@ def build(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else key
-        if hints[key] is ModelConfig:
+        if cls is TrainConfig and key == "model":
             kwargs[key] = _model_from_dict(value, dotted)
         elif dataclasses.is_dataclass(hints[key]):
             kwargs[key] = build(hints[key], value, dotted)
@@ -157,7 +212,8 @@ def build(cls, data: dict, prefix: str = ""):
 def apply_override(data: dict, override: str) -> None:
     """Apply one `dotted.key=value` (value parsed as YAML) to the nested dict `data`."""
     key, sep, raw = override.partition("=")
-    if not sep or not key:
+    key = key.strip()
+    if not sep or not key or "" in key.split("."):
         raise UserError(f"override {override!r} must look like section.key=value (e.g. optim.lr=1e-4)")
     *parents, leaf = key.split(".")
     node = data
@@ -165,7 +221,11 @@ def apply_override(data: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise UserError(f"override {key}: {part} is not a section")
-    node[leaf] = yaml.safe_load(raw) if raw else None
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as error:
+        reason = str(error).splitlines()[0]
+        raise UserError(f"override {key}={raw!r}: the value is not valid YAML ({reason})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -173,12 +233,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     data = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise UserError(f"config file {path} is a folder; give a YAML file, e.g. configs/tiny.yaml")
         if not path.is_file():
             raise UserError(f"config file {path} does not exist")
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as error:
             raise UserError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        except (UnicodeDecodeError, OSError) as error:
+            raise UserError(f"config file {path} cannot be read as text: {error}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config file {path} must hold a mapping of sections (model:, data:, run:, ...), "
+                            f"not a {type(data).__name__}")
     for override in overrides:
         apply_override(data, override)
     return build(TrainConfig, data)

@@ -10,6 +10,8 @@ so T' = 1 + (T - 1) / temporal_factor, and T must be 1 more than a multiple of t
 
 from __future__ import annotations
 
+import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,13 +93,14 @@ class DiffusersVideoAutoencoder(Autoencoder):
         self.eval()
         config = vae.config
         self.latent_channels = int(config.get("z_dim") or config["latent_channels"])
-        derived_t, derived_s = video_vae_factors(config)
+        self.image = is_image_vae(vae)  # a 2-D VAE (Latte's): each frame on its own, no temporal compression
+        derived_t, derived_s = vae_factors(vae)
         self.temporal_factor = int(temporal_factor or derived_t or 0)
         self.spatial_factor = int(spatial_factor or derived_s or 0)
         check(self.temporal_factor >= 1 and self.spatial_factor >= 1,
               f"vae {type(vae).__name__}: compression factors unknown from its config; "
               "valid: pass temporal_factor= and spatial_factor=")
-        shift, scale = latent_normalisation(config, self.latent_channels)
+        shift, scale = latent_normalisation(config, self.latent_channels, vae)
         self.register_buffer("latent_shift", shift.view(1, -1, 1, 1, 1), persistent=False)  # (1, C, 1, 1, 1)
         self.register_buffer("latent_scale", scale.view(1, -1, 1, 1, 1), persistent=False)  # (1, C, 1, 1, 1)
 
@@ -107,7 +110,9 @@ class DiffusersVideoAutoencoder(Autoencoder):
         from diffusers import AutoModel
 
         try:
-            vae = AutoModel.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
+            with warnings.catch_warnings():  # huggingface_hub's deprecation notice is noise before our error
+                warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")
+                vae = AutoModel.from_pretrained(str(path), subfolder=subfolder, local_files_only=True)
         except (OSError, ValueError) as err:  # diffusers reports "not on disk" as either
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(f"vae={path} is not available offline: {reason}; {_VALID_VAES}") from None
@@ -119,9 +124,11 @@ class DiffusersVideoAutoencoder(Autoencoder):
     def encode(self, video: Tensor, generator: torch.Generator | None = None) -> Tensor:
         self.check_video(video)
         param = next(self.vae.parameters())
-        posterior = self.vae.encode(video.to(param.device, param.dtype)).latent_dist
-        # (B, C, T', H', W'), before normalisation
+        x = video.to(param.device, param.dtype)
+        posterior = self.vae.encode(_frames(x) if self.image else x).latent_dist
+        # (B, C, T', H', W') (image VAEs: (B T, C, H', W')), before normalisation
         z = posterior.mean if generator is None else posterior.sample(generator=generator)
+        z = _unframes(z, video.shape[0]) if self.image else z
         return (z.float() - self.latent_shift) * self.latent_scale
 
     @torch.no_grad()
@@ -129,10 +136,44 @@ class DiffusersVideoAutoencoder(Autoencoder):
         check(latents.ndim == 5 and latents.shape[1] == self.latent_channels,
               f"latents shape {tuple(latents.shape)} is invalid; "
               f"valid: (B, {self.latent_channels}, T', H', W')")
+        return self.decode_raw(self.denormalise(latents)).float().clamp(-1.0, 1.0)
+
+    def denormalise(self, latents: Tensor) -> Tensor:
+        """Normalised latents -> the VAE's own latents, in the VAE's dtype (what its pipeline decodes)."""
         param = next(self.vae.parameters())
-        z = latents.float() / self.latent_scale + self.latent_shift
-        video = self.vae.decode(z.to(param.dtype)).sample  # (B, 3, T, H, W)
-        return video.float().clamp(-1.0, 1.0)
+        return (latents.float() / self.latent_scale + self.latent_shift).to(param.dtype)
+
+    def decode_raw(self, z: Tensor) -> Tensor:
+        """The VAE's own latents (B, C, T', H', W') -> its video output (B, 3, T, H, W), as its pipeline
+        calls the decoder (LTX's timestep-conditioned decoder at timestep 0, LTXPipeline's default)."""
+        if self.image:
+            return _unframes(self.vae.decode(_frames(z)).sample, z.shape[0])
+        if self.vae.config.get("timestep_conditioning"):
+            return self.vae.decode(z, torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)).sample
+        return self.vae.decode(z).sample  # (B, 3, T, H, W)
+
+
+IMAGE_VAES = ("AutoencoderKL",)  # 2-D VAEs used frame by frame (LattePipeline)
+
+
+def is_image_vae(vae) -> bool:
+    return type(vae).__name__ in IMAGE_VAES
+
+
+def _frames(x: Tensor) -> Tensor:
+    """(B, C, T, H, W) -> (B T, C, H, W)."""
+    return x.transpose(1, 2).flatten(0, 1)
+
+
+def _unframes(x: Tensor, batch: int) -> Tensor:
+    """(B T, C, H, W) -> (B, C, T, H, W)."""
+    return x.unflatten(0, (batch, -1)).transpose(1, 2)
+
+
+def vae_factors(vae) -> tuple[int | None, int | None]:
+    """(temporal, spatial) compression of a loaded diffusers VAE: image VAEs compress no time."""
+    temporal, spatial = video_vae_factors(vae.config)
+    return (1 if is_image_vae(vae) else temporal), spatial
 
 
 def video_vae_factors(config: Mapping) -> tuple[int | None, int | None]:
@@ -147,23 +188,37 @@ def video_vae_factors(config: Mapping) -> tuple[int | None, int | None]:
         return temporal, 2**levels * (config.get("patch_size") or 1)
     temporal = config.get("scale_factor_temporal") or config.get("temporal_compression_ratio")
     spatial = config.get("scale_factor_spatial") or config.get("spatial_compression_ratio")
-    if spatial is None and config.get("block_out_channels"):  # CogVideoX: one 2x per extra level
+    if config.get("spatio_temporal_scaling") is not None:  # LTX: a 2x in time and space per scaling level
+        levels = 2 ** sum(bool(s) for s in config["spatio_temporal_scaling"])
+        temporal = temporal or (config.get("patch_size_t") or 1) * levels
+        spatial = spatial or (config.get("patch_size") or 1) * levels
+    if config.get("temporal_expansions") is not None:  # Mochi: the product of its expansions
+        temporal = temporal or math.prod(config["temporal_expansions"])
+        spatial = spatial or math.prod(config["spatial_expansions"])
+    if spatial is None and config.get("block_out_channels"):  # CogVideoX, AutoencoderKL: one 2x per extra level
         spatial = 2 ** (len(config["block_out_channels"]) - 1)
     return temporal and int(temporal), spatial and int(spatial)
 
 
-def latent_normalisation(config: Mapping, channels: int) -> tuple[Tensor, Tensor]:
-    """Per-channel (shift, scale) float32 (C,) such that z_norm = (z - shift) * scale."""
+def latent_normalisation(config: Mapping, channels: int, vae: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+    """Per-channel (shift, scale) float32 (C,) such that z_norm = (z - shift) * scale.
+
+    Every family's pipeline uses z_norm = (z - mean) * scaling_factor / std: per-channel mean and std
+    from the config (Wan, Mochi) or from the VAE's buffers (LTX), else the config's shift_factor and
+    1, and scaling_factor (default 1)."""
     mean, std = config.get("latents_mean"), config.get("latents_std")
+    buffers = {} if vae is None else dict(vae.named_buffers(recurse=False))
+    if mean is None and "latents_mean" in buffers:  # LTX keeps them as buffers
+        mean, std = buffers["latents_mean"].tolist(), buffers["latents_std"].tolist()
+    scaling = float(config.get("scaling_factor") or 1.0)
     if mean is not None and std is not None:
         check(len(mean) == channels and len(std) == channels,
               f"vae config latents_mean/latents_std have {len(mean)}/{len(std)} entries; "
               f"valid: one per latent channel ({channels})")
-        return torch.tensor(mean, dtype=torch.float32), 1.0 / torch.tensor(std, dtype=torch.float32)
+        return torch.tensor(mean, dtype=torch.float32), scaling / torch.tensor(std, dtype=torch.float32)
     # A config with neither convention is taken as already normalised (scale 1, shift 0).
-    scale = float(config.get("scaling_factor") or 1.0)
     shift = float(config.get("shift_factor") or 0.0)
-    return torch.full((channels,), shift), torch.full((channels,), scale)
+    return torch.full((channels,), shift), torch.full((channels,), scaling)
 
 
 def build_autoencoder(name: str) -> Autoencoder:

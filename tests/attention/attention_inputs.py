@@ -2,6 +2,8 @@
 
 import torch
 
+from slidefusion.attention import slide_attention
+from slidefusion.attention.backends import tiled
 from slidefusion.attention.reference import slide_attention_reference
 
 
@@ -36,3 +38,26 @@ def assert_low_precision_matches_reference(fn, dtype, tol, slots):
     assert out.dtype == dtype
     ref = slide_attention_reference(*(x.double() for x in (q, k, v)), (3, 3, 3), off.double())
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def extra_kv(q, L, masked=(), seed=3):
+    """Extra keys and values (B, L, heads, D) like q, and a key mask (B, L) False at `masked` (b, l) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    B, heads, D = q.shape[0], q.shape[4], q.shape[5]
+    k, v = (torch.randn(B, L, heads, D, generator=g, dtype=q.dtype) for _ in range(2))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    for b, l in masked:
+        mask[b, l] = False
+    return k, v, mask
+
+
+def tiled_op(monkeypatch, tile):
+    """slide_attention on the tiled backend with query tiles `tile` (None: the defaults)."""
+    if tile is not None:
+        monkeypatch.setattr(tiled, "SLIDE_TILE", tile)
+        monkeypatch.setattr(tiled, "NEIGHBORHOOD_TILE", tile)
+
+    def op(q, k, v, kernel, offsets=None, scale=None, **options):
+        return slide_attention(q, k, v, kernel, offsets, scale, backend="tiled", **options)
+
+    return op

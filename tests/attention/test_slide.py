@@ -1,4 +1,4 @@
-"""Slide / neighbourhood attention: the reference, the tiled CPU path, modules, registry, model."""
+"""Slide / neighbourhood attention: the reference, the tiled PyTorch path, modules, registry, model."""
 
 import pytest
 import torch
@@ -10,8 +10,7 @@ from slidefusion.attention import (
     neighborhood_attention,
     slide_attention,
 )
-from slidefusion.attention.backends import cpu as cpu_backend
-from slidefusion.attention.backends.cpu import slide_attention_cpu
+from slidefusion.attention.backends import tiled
 from slidefusion.attention.reference import (
     dense_attention_reference,
     neighborhood_attention_reference,
@@ -19,7 +18,7 @@ from slidefusion.attention.reference import (
     window_starts,
 )
 from slidefusion.errors import UserError
-from attention_inputs import assert_low_precision_matches_reference, qkv, random_offsets
+from attention_inputs import assert_low_precision_matches_reference, qkv, random_offsets, tiled_op
 
 TOL = 1e-10
 
@@ -68,32 +67,33 @@ CASES = [
 
 @pytest.mark.parametrize("grid, kernel, tile", CASES)
 @pytest.mark.parametrize("mode", ["none", "sample", "shift"])
-def test_cpu_matches_reference(grid, kernel, tile, mode):
+def test_tiled_matches_reference(monkeypatch, grid, kernel, tile, mode):
     q, k, v = qkv(grid)
     K = kernel[0] * kernel[1] * kernel[2]
     off = None if mode == "none" else random_offsets(q, K if mode == "sample" else 1)
-    out = slide_attention_cpu(q, k, v, kernel, off, None, tile)
+    out = tiled_op(monkeypatch, tile)(q, k, v, kernel, off)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, slide_attention_reference(q, k, v, kernel, off), rtol=TOL, atol=TOL)
 
 
-def test_cpu_matches_reference_with_large_offsets_and_scale():
+def test_tiled_matches_reference_with_large_offsets_and_scale(monkeypatch):
     # Offsets up to 4 tokens: the halo grows by 5 per side and clamps to the grid.
     q, k, v = qkv((4, 7, 9))
     off = random_offsets(q, 27, reach=4.0)
-    out = slide_attention_cpu(q, k, v, (3, 3, 3), off, 0.3, (2, 3, 4))
+    out = tiled_op(monkeypatch, (2, 3, 4))(q, k, v, (3, 3, 3), off, 0.3)
     torch.testing.assert_close(out, slide_attention_reference(q, k, v, (3, 3, 3), off, 0.3), rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize("mode", ["none", "sample"])
-def test_cpu_chunks_agree_with_one_chunk(monkeypatch, mode):
+def test_tiled_chunks_agree_with_one_chunk(monkeypatch, mode):
     # A tiny chunk budget forces chunks of one h-tile row, then of one t-tile row.
     q, k, v = qkv((5, 6, 7))
     off = None if mode == "none" else random_offsets(q, 27)
     expected = slide_attention_reference(q, k, v, (3, 3, 3), off)
+    op = tiled_op(monkeypatch, (2, 2, 3))
     for budget in (1, 3000):
-        monkeypatch.setattr(cpu_backend, "CHUNK_ELEMENTS", budget)
-        out = slide_attention_cpu(q, k, v, (3, 3, 3), off, None, (2, 2, 3))
+        monkeypatch.setattr(tiled, "CHUNK_ELEMENTS", budget)
+        out = op(q, k, v, (3, 3, 3), off)
         torch.testing.assert_close(out, expected, rtol=TOL, atol=TOL)
 
 
@@ -118,23 +118,25 @@ def test_low_precision_keeps_the_dtype(dtype, tol):
 
 
 @pytest.mark.parametrize("mode", ["none", "sample", "shift"])
-def test_cpu_gradcheck(mode):
+def test_tiled_gradcheck(monkeypatch, mode):
     # Window 1 on W and tiles (2, 3, 2) that divide nothing: padding, halo clamping and offsets at once.
     q, k, v = (x.requires_grad_() for x in qkv((3, 4, 5), batch=1, heads=1, head_dim=3))
     off = None if mode == "none" else random_offsets(q, 9 if mode == "sample" else 1).requires_grad_()
     inputs = (q, k, v) if off is None else (q, k, v, off)
+    tiled_slide = tiled_op(monkeypatch, (2, 3, 2))
 
     def op(*args):
-        return slide_attention_cpu(*args[:3], (3, 3, 1), args[3] if len(args) > 3 else None, None, (2, 3, 2))
+        return tiled_slide(*args[:3], (3, 3, 1), args[3] if len(args) > 3 else None)
 
     assert torch.autograd.gradcheck(op, inputs, atol=1e-7)
 
 
-def test_cpu_gradients_match_reference_on_a_larger_window():
+def test_tiled_gradients_match_reference_on_a_larger_window(monkeypatch):
     q, k, v = (x.requires_grad_() for x in qkv((4, 6, 7), head_dim=4))
     off = random_offsets(q, 45, reach=2.3).requires_grad_()
     g = torch.randn(q.shape, dtype=q.dtype)
-    fast = torch.autograd.grad((slide_attention_cpu(q, k, v, (3, 3, 5), off, None, (2, 4, 3)) * g).sum(), (q, k, v, off))
+    op = tiled_op(monkeypatch, (2, 4, 3))
+    fast = torch.autograd.grad((op(q, k, v, (3, 3, 5), off) * g).sum(), (q, k, v, off))
     ref = torch.autograd.grad((slide_attention_reference(q, k, v, (3, 3, 5), off) * g).sum(), (q, k, v, off))
     for a, b in zip(fast, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
@@ -150,8 +152,6 @@ def test_bad_arguments_name_the_parameter():
         slide_attention(q, k, v, (2, 3, 3))
     with pytest.raises(UserError, match="kernel_size must be 3 ints"):
         slide_attention(q, k, v, (3, 3))
-    with pytest.raises(ValueError, match=r"kernel_size\[1\]=7 is larger than the grid's H axis"):
-        neighborhood_attention(q, k, v, (3, 7, 7))
     with pytest.raises(UserError, match="offsets must be None or"):
         slide_attention(q, k, v, (3, 3, 3), torch.zeros(*q.shape[:5], 5, 3, dtype=q.dtype))
     with pytest.raises(UserError, match="offsets must be a floating"):

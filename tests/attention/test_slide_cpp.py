@@ -7,14 +7,16 @@ load it from torch's extensions folder) and shared by every test through `cpp.ex
 import pytest
 import torch
 
-from slidefusion.attention import backends
+import functools
+
+from slidefusion.attention import backends, slide_attention
 from slidefusion.attention.backends import cpp
-from slidefusion.attention.backends.cpp import slide_attention_cpp
 from slidefusion.attention.reference import slide_attention_reference
 from slidefusion.errors import UserError
 from attention_inputs import assert_low_precision_matches_reference, grads, qkv, random_offsets
 
 TOL = 1e-10
+slide_attention_cpp = functools.partial(slide_attention, backend="cpp")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,9 +96,9 @@ def test_low_precision_computes_in_float32_and_keeps_the_dtype(dtype, tol):
 
 def test_auto_dispatch_uses_the_compiled_kernel_on_cpu():
     q, k, v = qkv((3, 5, 7))
-    assert backends.choose(q) == "cpp"
+    assert backends.choose("auto", q.device) == "cpp"
     torch.testing.assert_close(
-        backends.slide(q, k, v, (3, 3, 3)), slide_attention_reference(q, k, v, (3, 3, 3)), rtol=TOL, atol=TOL
+        slide_attention(q, k, v, (3, 3, 3)), slide_attention_reference(q, k, v, (3, 3, 3)), rtol=TOL, atol=TOL
     )
 
 
@@ -117,10 +119,10 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
     q, k, v = qkv((3, 5, 7))
     off = random_offsets(q, 27)
     with pytest.warns(RuntimeWarning, match="no C.. compiler found.*pure-PyTorch"):
-        out = backends.slide(q, k, v, (3, 3, 3), off)
+        out = slide_attention_cpp(q, k, v, (3, 3, 3), off)
     torch.testing.assert_close(out, slide_attention_reference(q, k, v, (3, 3, 3), off), rtol=TOL, atol=TOL)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is silent
-        backends.slide(q, k, v, (3, 3, 3), off)
+        slide_attention_cpp(q, k, v, (3, 3, 3), off)

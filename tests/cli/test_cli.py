@@ -74,3 +74,39 @@ def test_unreadable_video_in_a_folder_dataset_exits_2(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "cannot read video" in err and "clip.mp4" in err and err.count("\n") == 1
+
+
+def test_sampling_that_produces_nan_stops_with_exit_3_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    import slidefusion.pipeline.ours as pipeline
+
+    monkeypatch.setattr(pipeline, "sample", lambda *args, **kwargs: torch.full((1, 3, 1, 4, 4), float("nan")))
+    out = tmp_path / "v.gif"
+    code = main(["generate", "--init", "random", "--model", "stdit-tiny", "--prompt", "x", "--steps", "1",
+                 "--frames", "1", "--height", "4", "--width", "4", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1 and "sampling produced NaN or infinite latents" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_replaces_an_earlier_export_only_with_force(tmp_path, capsys):
+    from slidefusion.models import build_model, preset
+    from slidefusion.training.checkpoint import save_checkpoint
+
+    model = build_model(preset("dit3d-tiny"))
+    source = save_checkpoint(tmp_path / "run", 3, {"a": 1}, model.state_dict(), state={"step": 3})
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    out = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(source), "--out", str(out)]) == 0
+    (out / "note.txt").write_text("mine")
+    assert main(["export", "--checkpoint", str(source), "--out", str(out)]) == 2
+    assert "already exists; add --force" in capsys.readouterr().err and (out / "note.txt").exists()
+    assert main(["export", "--checkpoint", str(source), "--out", str(out), "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before  # the source is never touched
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no .old-* left behind
+
+
+def test_overrides_may_follow_flags(tmp_path):
+    assert main(["train", "configs/tiny.yaml", "--quiet", f"run.output_dir={tmp_path}", "run.steps=1",
+                 "data.frames=2", "data.height=8", "data.width=8"]) == 0
+    assert (tmp_path / "tiny" / "checkpoint-1").is_dir()

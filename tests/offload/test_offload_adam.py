@@ -9,13 +9,13 @@ import torch
 from slidefusion.offload import kernels
 from slidefusion.offload.adam import (
     EXACT_CHUNK,
-    AdamWConfig,
     adamw_,
     adamw_parallel_,
     adamw_reference_,
     clip_coefficient,
     parameter_norms,
 )
+from slidefusion.optim import OptimConfig
 
 
 def _torch_run(p0, grads, cfg, scale=1.0):
@@ -41,7 +41,7 @@ def _ours(kernel, p0, grads, cfg, compute_dtype, scale=1.0, **options):
 def test_exact_kernels_are_bitwise_torch_adamw(grad_dtype, kernel, options):
     torch.manual_seed(0)
     n = 70_001  # not a multiple of any chunk or vector width
-    cfg = AdamWConfig(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1)
+    cfg = OptimConfig(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1)
     p0 = torch.randn(n)
     grads = [(torch.randn(n) * torch.rand(n) ** 4).to(grad_dtype) for _ in range(6)]
     expected = _torch_run(p0, grads, cfg, scale=0.3)
@@ -54,7 +54,7 @@ def test_exact_kernels_are_bitwise_torch_adamw(grad_dtype, kernel, options):
 def test_fast_kernel_is_within_an_ulp_per_step(compute_dtype):
     torch.manual_seed(1)
     n = 50_003
-    cfg = AdamWConfig(lr=1e-3, weight_decay=0.01)
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.01)
     p0 = torch.randn(n)
     grads = [torch.randn(n).to(compute_dtype) for _ in range(5)]
     expected = _torch_run(p0, grads, cfg)
@@ -88,7 +88,7 @@ def test_clip_coefficient_is_clip_grad_norm():
 def test_threaded_update_is_identical_to_one_call(exact):
     torch.manual_seed(3)
     n = 5 * EXACT_CHUNK + 123
-    cfg = AdamWConfig(lr=1e-3, weight_decay=0.01)
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.01)
     p0, g = torch.randn(n), torch.randn(n).bfloat16()
     one = _ours(adamw_, p0, [g, g], cfg, torch.bfloat16, exact=exact)
     split = _ours(adamw_parallel_, p0, [g, g], cfg, torch.bfloat16, exact=exact, threads=3)

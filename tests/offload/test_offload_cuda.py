@@ -1,12 +1,14 @@
-"""The engine on a real GPU (copy streams and events): skipped where CUDA is not available."""
+"""The engine on a real GPU (copy streams, events, page-locked memory): skipped where CUDA is not available."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 from slidefusion.models import build_model, preset
-from slidefusion.offload import OffloadEngine
+from slidefusion.offload import OffloadEngine, OffloadPolicy
+from slidefusion.optim import OptimConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -18,17 +20,27 @@ def _loss(model, step):
     return (model(x, t, context) - x.flip(0)).pow(2).mean()
 
 
-@pytest.mark.parametrize("delays, max_grad_norm", [(0.0, None), (0.002, None), (0.002, 0.05)])
-def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm):
+def _model():
     torch.manual_seed(0)
     model = build_model(preset("dit3d-tiny", depth=4, text_dim=16))
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.02 * torch.randn_like(param))
+    return model
+
+
+def _engine(model, max_grad_norm=None, **options):
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=0, ema_decay=None)
+    return OffloadEngine(model, model.blocks, OffloadPolicy(device="cuda", optim=optim, **{"compute_dtype": torch.float32, **options}))
+
+
+@pytest.mark.parametrize("delays, max_grad_norm, resident_blocks", [(0.0, None, 0), (0.002, None, 0), (0.002, 0.05, 0),
+                                                                    (0.002, None, 2), (0.002, 0.05, 4)])
+def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm, resident_blocks):
+    model = _model()
     reference = copy.deepcopy(model).cuda()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
-    engine = OffloadEngine(model, model.blocks, device="cuda", compute_dtype=torch.float32, lr=3e-3, weight_decay=0.1,
-                           max_grad_norm=max_grad_norm, prefetch=1)
+    engine = _engine(model, max_grad_norm, resident_blocks=resident_blocks)
     engine.inject_delays(delays, seed=1)
     for step in range(20):
         optimizer.zero_grad()
@@ -42,5 +54,31 @@ def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm):
     for name, value in reference.state_dict().items():
         error = (weights[name].cuda() - value).norm() / value.norm().clamp_min(1e-12)
         assert error < 1e-3, name  # GPU kernels are not bitwise reproducible across graphs
-    assert engine.stats["peak_device_param_bytes"] <= 2 * max(
-        sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4 + sum(p.numel() for p in model.parameters()) * 4
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4
+    assert engine.stats.peak_device_param_bytes <= (2 + resident_blocks) * block + sum(p.numel() for p in model.parameters()) * 4
+    assert engine.stats.pinned_bytes > 0 and engine.stats.pageable_copy_bytes == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("master, moments", [("bf16", "int8"), ("fp32", "bf16")])
+def test_cuda_lean_state_tracks_the_fp32_engine(master, moments):
+    fp32_model, lean_model = _model(), _model()
+    fp32, lean = _engine(fp32_model, compute_dtype=torch.bfloat16), _engine(lean_model, compute_dtype=torch.bfloat16,
+                                                                           master=master, moments=moments)
+    expected = [fp32.train_step(lambda m, s=s: _loss(m, s)) for s in range(20)]
+    got = [lean.train_step(lambda m, s=s: _loss(m, s)) for s in range(20)]
+    assert got[-1] == pytest.approx(expected[-1], rel=0.03) and got[-1] < got[0]
+    assert lean.stats.host_bytes_per_param < fp32.stats.host_bytes_per_param
+
+
+def test_cuda_pin_budget_zero_is_pageable_and_the_same_run():
+    pinned_model, pageable_model = _model(), _model()
+    pinned = _engine(pinned_model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pageable = _engine(pageable_model, pin_budget=0)
+    assert len(caught) == 1 and "pin_budget" in str(caught[0].message)
+    assert pageable.stats.pinned_bytes == 0 and pageable.stats.pageable_copy_bytes > 0
+    for step in range(5):
+        assert pinned.train_step(lambda m, s=step: _loss(m, s)) == pytest.approx(
+            pageable.train_step(lambda m, s=step: _loss(m, s)), rel=1e-5)

@@ -8,7 +8,8 @@ from torch import nn
 
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
-from slidefusion.offload import OffloadEngine
+from slidefusion.offload import OffloadEngine, OffloadPolicy, engine_plan, require_fit
+from slidefusion.optim import OptimConfig
 
 LR, WD = 3e-3, 0.1
 
@@ -61,9 +62,14 @@ def _resident(kind, model, steps, max_grad_norm=None, autocast=False):
     return losses, norms
 
 
+def _policy(compute_dtype=torch.float32, max_grad_norm=None, **options) -> OffloadPolicy:
+    optim = OptimConfig(lr=LR, weight_decay=WD, max_grad_norm=max_grad_norm, warmup_steps=0, ema_decay=None)
+    options.setdefault("zero_copy", False)  # the copy threads of a real device, where races could hide
+    return OffloadPolicy(device="cpu", compute_dtype=compute_dtype, optim=optim, **options)
+
+
 def _engine(model, **options):
-    return OffloadEngine(model, blocks=model.blocks, device="cpu", compute_dtype=options.pop("compute_dtype", torch.float32),
-                         lr=LR, weight_decay=WD, **options)
+    return OffloadEngine(model, model.blocks, _policy(**options))
 
 
 def _offloaded(kind, engine, steps, first=0):
@@ -142,9 +148,9 @@ def test_peak_device_parameter_bytes_stay_within_the_pool(prefetch):
         sum(p.numel() for p in block.parameters()) * 4 for block in model.blocks))
     engine = _engine(model, prefetch=prefetch)
     _offloaded("dit3d", engine, 2)
-    peak = engine.stats["peak_device_param_bytes"]
+    peak = engine.stats.peak_device_param_bytes
     assert resident + block_bytes <= peak <= (prefetch + 1) * block_bytes + resident
-    assert engine.stats["h2d_bytes"] > 0 and engine.stats["d2h_bytes"] > 0
+    assert engine.stats.h2d_bytes > 0 and engine.stats.d2h_bytes > 0
 
 
 def test_resumed_engine_repeats_the_loss_sequence():
@@ -175,26 +181,26 @@ class _Shared(nn.Module):
 
 def test_bad_inputs_are_one_line_user_errors():
     model = MODELS["dit3d"]()
-    with pytest.raises(UserError, match="blocks must be a non-empty nn.ModuleList"):
-        OffloadEngine(model, blocks=nn.ModuleList(), device="cpu")
-    with pytest.raises(UserError, match="blocks must be a non-empty nn.ModuleList"):
-        OffloadEngine(model, blocks=list(model.blocks), device="cpu")
+    with pytest.raises(UserError, match="blocks must be a non-empty list of the model's blocks"):
+        OffloadEngine(model, nn.ModuleList(), _policy())
+    with pytest.raises(UserError, match="blocks must be a non-empty list of the model's blocks"):
+        OffloadEngine(model, model, _policy())
     with pytest.raises(UserError, match=r"blocks\[0\] is not a submodule of model"):
-        OffloadEngine(_Shared(), blocks=_Shared().blocks, device="cpu")
+        OffloadEngine(_Shared(), _Shared().blocks, _policy())
     shared = _Shared()
     with pytest.raises(UserError, match=r"blocks.1.weight is shared between blocks.0 and blocks.1"):
-        OffloadEngine(shared, blocks=shared.blocks, device="cpu")
+        OffloadEngine(shared, shared.blocks, _policy())
     tied = _Shared(tie_rest=True)
     with pytest.raises(UserError, match="head.weight is shared between blocks.0 and the rest"):
-        OffloadEngine(tied, blocks=tied.blocks, device="cpu")
+        OffloadEngine(tied, tied.blocks, _policy())
     with pytest.raises(UserError, match="prefetch=-1 must be an int >= 0"):
-        OffloadEngine(model, blocks=model.blocks, device="cpu", prefetch=-1)
+        _policy(prefetch=-1)
     with pytest.raises(UserError, match=r"does not fit: device needs .* but has 1 KB \(largest parts:"):
-        OffloadEngine(model, blocks=model.blocks, device="cpu", device_memory="1KB")
+        require_fit(engine_plan(model, model.blocks, _policy(), device_memory="1KB"))
     with pytest.raises(UserError, match="does not fit: host needs"):
-        OffloadEngine(model, blocks=model.blocks, device="cpu", host_memory=1000)
+        require_fit(engine_plan(model, model.blocks, _policy(), host_memory=1000))
     with pytest.raises(UserError, match="device='tpu' is unsupported"):
-        OffloadEngine(model, blocks=model.blocks, device="tpu")
+        OffloadPolicy(device="tpu")
 
 
 def test_blocks_run_out_of_order_is_a_user_error():

@@ -47,4 +47,83 @@ def test_plan_command(capsys):
     out = capsys.readouterr().out
     assert "1.47 TB" in out and "does not fit" in out and "largest clip that fits" in out
     assert main([*args[:-4], "--gpu-memory", "lots"]) == 2
-    assert "--gpu-memory='lots'" in capsys.readouterr().err
+    assert "argument --gpu-memory: 'lots' must be a size" in capsys.readouterr().err
+
+
+# -- Wan presets, diffusers folders, host-state flags --------------------------------------------
+
+PINNED = ["plan", "--model", "wan2.1-14b", "--frames", "81", "--height", "480", "--width", "832", "--gpu-memory", "24GB",
+          "--host-memory", "128GB"]
+
+
+def _wan_counts(cfg: dict) -> tuple[int, int]:
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**cfg)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    assert len(set(blocks)) == 1
+    return blocks[0], sum(p.numel() for p in model.parameters()) - sum(blocks)
+
+
+TINY_WAN = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+                freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
+
+
+@pytest.mark.parametrize("name, variant", [("wan2.1-1.3b", {}), ("wan2.1-14b", {}), (None, {}),
+                                           (None, {"cross_attn_norm": False, "out_channels": None}),
+                                           (None, {"image_dim": 24, "added_kv_proj_dim": 24, "pos_embed_seq_len": 6})])
+def test_the_wan_parameter_formula_counts_what_diffusers_builds(name, variant):
+    from slidefusion.offload.shapes import WAN_PRESETS, wan_params
+
+    cfg = {**(WAN_PRESETS[name] if name else TINY_WAN), **variant}
+    assert wan_params(cfg) == _wan_counts(cfg)
+    if name:  # the published totals
+        total = {"wan2.1-1.3b": 1_418_996_800, "wan2.1-14b": 14_288_491_584}[name]
+        assert wan_params(cfg)[0] * cfg["num_layers"] + wan_params(cfg)[1] == total
+
+
+def test_the_pinned_wan_14b_command_fits_lean_and_not_in_fp32(capsys):
+    assert main([*PINNED, "--master", "bf16", "--moments", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: fits" in out and "predicted step time:" in out and "assuming 990 TFLOP/s at 60% MFU" in out
+    assert "persistent state (4 B/param in bf16)" in out and "57.2 GB" in out  # under the 90 GB
+    assert "14.29 B parameters in 40 blocks" in out and "32760 tokens per sample" in out
+    assert main(PINNED) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: host needs 215 GB but has 128 GB" in out and "with --master bf16 --moments int8 it fits" in out
+
+
+def test_resident_blocks_take_the_spare_device_memory(capsys):
+    assert main([*PINNED, "--master", "bf16", "--moments", "int8", "--resident-blocks", "auto"]) == 0
+    auto = capsys.readouterr().out
+    assert "16 blocks resident" in auto and "resident blocks (16)" in auto and "verdict: fits" in auto
+    assert main([*PINNED, "--master", "bf16", "--moments", "int8", "--resident-blocks", "30"]) == 0
+    assert "does not fit: device needs" in capsys.readouterr().out
+    assert main([*PINNED, "--resident-blocks", "some"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--resident-blocks='some' must be an int >= 0 or auto" in err
+    for flag, value in (("--master", "fp8"), ("--moments", "int4")):
+        assert main([*PINNED, flag, value]) == 2  # argparse's choices
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_plan_reads_a_diffusers_transformer_folder(tmp_path, capsys):
+    from diffusers import WanTransformer3DModel
+
+    from slidefusion.offload.shapes import wan_params
+
+    pipeline = tmp_path / "pipe"
+    WanTransformer3DModel(**TINY_WAN).save_config(str(pipeline / "transformer"))
+    args = ["plan", "--frames", "9", "--height", "64", "--width", "64", "--gpu-memory", "1GB", "--host-memory", "1GB"]
+    for folder in (pipeline, pipeline / "transformer"):
+        assert main([*args, "--model", str(folder)]) == 0
+        block, rest = wan_params({**TINY_WAN, "cross_attn_norm": True})
+        assert f"{(3 * block + rest) / 1e9:.2f} B parameters in 3 blocks" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"_class_name": "CogVideoXTransformer3DModel"}')
+    assert main([*args, "--model", str(tmp_path / "other")]) == 2
+    assert "the planner supports WanTransformer3DModel" in capsys.readouterr().err
+    assert main([*args, "--model", str(tmp_path / "missing")]) == 2
+    assert "neither a preset nor a folder" in capsys.readouterr().err

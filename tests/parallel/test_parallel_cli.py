@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -65,3 +66,36 @@ def test_simulator_basics():
 def test_paper_scenario_shape():
     report = paper_scenario(HARDWARE["a100"])
     assert report["rows"][0]["schedules"]["dsp"]["comm_share"] < report["rows"][1]["schedules"]["dsp"]["comm_share"]
+
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never joined
+
+
+@pytest.mark.parametrize("model, extra, env, message", [
+    ("dit3d-tiny", ["--parallel", "dsp"], {}, "valid for dit3d: ulysses"),
+    ("dit3d-tiny", ["--parallel", "scalefusion", "--slices", "2"], {}, "valid for dit3d: ulysses"),
+    ("dit3d-tiny", ["--parallel", "ulysses"], TORCHRUN_ENV, "3 ranks > 2 heads of dit3d"),
+    ("dit3d-tiny", ["--parallel", "ulysses", "--cfg-parallel"], TORCHRUN_ENV, "cfg_parallel needs an even number"),
+    ("stdit-tiny", ["--parallel", "ulysses", "--slices", "2"], {}, "ulysses --slices 2 slices full-3D attention"),
+    ("stdit-tiny", ["--parallel", "dsp", "--slices", "4"], {}, "does not apply to the dsp schedule"),
+    ("stdit-tiny", ["--parallel", "scalefusion", "--slices", "x"], {}, "--slices='x' must be an integer"),
+    ("stdit-tiny", ["--slices", "2"], {}, "--slices applies to parallel runs only"),
+    ("stdit-tiny", ["--trace", "t.json"], {}, "--trace applies to parallel runs only"),
+    ("stdit-tiny", ["--cfg-parallel"], {}, "--cfg-parallel applies to parallel runs only"),
+])
+def test_bad_parallel_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, model, extra, env, message):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    args = [a if a != "stdit-tiny" else model for a in ARGS] + ["--out", "x.gif"] + extra
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    if env:  # under torchrun only rank 0 says it; the others exit 2 in silence
+        monkeypatch.setenv("RANK", "1")
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2 and capsys.readouterr().err == ""

@@ -5,6 +5,8 @@ import torch
 
 from slidefusion.parallel.layout import (FRAMES, POSITIONS, Split, chunk_shapes, local_slices, pack_chunk, shard,
                                          split_sizes, unpack_consumer_slice)
+from slidefusion.parallel.records import GRID, ROWS
+from slidefusion.parallel.tokens import Tokens
 
 
 def coded(b=2, t=5, s=7, c=3) -> torch.Tensor:
@@ -70,3 +72,26 @@ def test_sliced_equals_monolithic():
     sliced = switch(x, 3, POSITIONS, FRAMES, 3, 2)
     for j in range(3):
         assert torch.equal(mono[j, 0], torch.cat([sliced[j, 0], sliced[j, 1]], dim=FRAMES))
+
+
+@pytest.mark.parametrize("layout", [GRID, ROWS])
+@pytest.mark.parametrize("keep_frames", [True, False])
+def test_token_views_put_every_token_where_it_belongs(layout, keep_frames):
+    b, (t, h, w), c = 2, (3, 2, 5), 4
+    tokens = Tokens((t, h, w), b, keep_frames, layout, ranks=3, rank=1)
+    coded_grid = coded(b=b, t=t, s=h * w, c=c)  # (B, T, S, C), every value spells (b, t, s, c)
+    kind = "spatial" if keep_frames else "full"
+    canonical = coded_grid if keep_frames else coded_grid.reshape(b, 1, t * h * w, c)
+    if layout == GRID:
+        whole = coded_grid.reshape(b, t, h, w, c)
+    else:
+        whole = canonical.reshape(b * canonical.shape[1], -1, c)
+    assert torch.equal(tokens.canonical(whole, kind), canonical)
+    start, count = tokens.span
+    mine = tokens.shard(whole, kind)
+    assert torch.equal(tokens.canonical(mine, kind), canonical.narrow(2, start, count))
+    if keep_frames:  # a temporal block's view of this rank's positions, and back
+        temporal = tokens.block_input(canonical.narrow(2, start, count), "temporal", whole_frames=False)
+        assert torch.equal(tokens.canonical(temporal, "temporal"), canonical.narrow(2, start, count))
+    rows = torch.arange(b * 7).view(b * 7, 1).double()  # one row per (sample, position) of 7
+    assert tokens.cut_rows(rows, 2, 3).flatten().tolist() == [2, 3, 4, 9, 10, 11]

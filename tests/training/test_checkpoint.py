@@ -65,4 +65,6 @@ def test_export_keeps_the_sampling_weights_in_half_precision(tmp_path):
     name = "blocks.0.mlp.fc1.weight"
     assert exported.model[name].dtype == torch.float16
     torch.testing.assert_close(exported.model[name].float(), ema[name], atol=1e-3, rtol=1e-3)
-    export_checkpoint(source, out)  # replacing an existing export works
+    with pytest.raises(UserError, match="already exists; add --force"):
+        export_checkpoint(source, out)  # an existing destination is never replaced unasked
+    assert export_checkpoint(source, out, force=True) == out and load_checkpoint(out).config == {"a": 1}

@@ -60,3 +60,25 @@ def test_data_start_and_pooled_text_defaults_keep_the_old_behaviour():
     assert config.data.start == "clear" and config.model.pooled_text is True
     with pytest.raises(UserError, match="data.start='late' is unknown; valid: uniform, clear"):
         load_config(None, ["data.start=late"])
+
+
+def test_every_float_key_is_finite_even_a_new_one():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Section:  # a section no check was written for: coercion alone refuses NaN and infinity
+        scale: float = 1.0
+        options: dict = field(default_factory=dict)
+
+    assert build(Section, {"scale": "2.5"}).scale == 2.5
+    for value in ("nan", float("inf"), float("-inf"), "1e400"):
+        with pytest.raises(UserError, match=r"section.scale=.* must be a finite number"):
+            build(Section, {"scale": value}, "section")
+    with pytest.raises(UserError, match=r"section.options.a.1=nan must be a finite number"):
+        build(Section, {"options": {"a": [1.0, float("nan")]}}, "section")
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", ".hidden", "-x", "a b", "x" * 201])
+def test_run_names_are_plain_folder_names(name):
+    with pytest.raises(UserError, match="run.name=.* must be a plain folder name"):
+        load_config(None, [f"run.name='{name}'"])

@@ -1,18 +1,17 @@
-"""Compiled CPU kernel for slide / neighbourhood attention (forward and backward).
+"""Compiled CPU kernel for slide / neighbourhood attention ("cpp"), forward and backward.
 
 The C++ source (`csrc/slide_cpu.cpp`, which explains the algorithm) is built on first use with
 `torch.utils.cpp_extension.load` and cached in torch's extensions folder (TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions), so later processes only load it. Where it cannot be built (no
-compiler, no ninja), one warning is issued and calls fall back to the pure-PyTorch path in `cpu.py`.
+compiler, no ninja), one warning is issued and both passes run the tiled PyTorch path instead.
+Inputs arrive normalised by the dispatch layer (`backends.normalise`): contiguous CPU tensors of
+one float32 / float64 dtype, a float scale.
 """
 
 import warnings
 from pathlib import Path
 
-import torch
-from torch.autograd.function import once_differentiable
-
-from slidefusion.attention.backends.cpu import slide_attention_cpu
+from slidefusion.attention.backends import tiled
 from slidefusion.errors import UserError
 
 Triple = tuple[int, int, int]
@@ -20,9 +19,10 @@ Triple = tuple[int, int, int]
 SOURCE = Path(__file__).resolve().parent / "csrc" / "slide_cpu.cpp"
 NAME = "slidefusion_slide_cpu"
 # No -march=native: the cached build must run on any x86-64 CPU that shares the cache (a home
-# folder on a cluster); -O3 still auto-vectorises the `omp simd` loops. -fopenmp makes
-# at::parallel_for use the OpenMP runtime torch already loaded.
-CFLAGS = ["-O3", "-fopenmp"]
+# folder on a cluster); the hot loops are compiled per instruction set instead (see the source).
+# -ffp-contract=fast lets a * b + c become one FMA (ISO C++ mode forbids it by default); -fopenmp
+# makes at::parallel_for use the OpenMP runtime torch already loaded.
+CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 _state: dict = {"module": None, "error": None}
@@ -52,46 +52,22 @@ def extension():
     return _state["module"]
 
 
-class SlideCppFunction(torch.autograd.Function):
-    """Saves q, k, v, offsets, the output and its log-sum-exp; the backward recomputes the rest."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets, kernel, scale):
-        off = q.new_empty(0) if offsets is None else offsets
-        out, lse = extension().forward(q, k, v, off, *kernel, scale)
-        ctx.save_for_backward(q, k, v, off, out, lse)
-        ctx.kernel, ctx.scale, ctx.has_offsets = kernel, scale, offsets is not None
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, off, out, lse = ctx.saved_tensors
-        dq, dk, dv, doff = extension().backward(q, k, v, off, out, lse, grad_out, *ctx.kernel, ctx.scale)
-        return dq, dk, dv, (doff if ctx.has_offsets else None), None, None
+def forward(q, k, v, offsets, kernel: Triple, scale: float):
+    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); UserError for non-finite offsets."""
+    ext = extension()
+    if ext is None:
+        return tiled.forward(q, k, v, offsets, kernel, scale)
+    try:
+        out, lse = ext.forward(q, k, v, q.new_empty(0) if offsets is None else offsets, *kernel, scale)
+    except ValueError as error:  # the kernel's only ValueError: offsets that are not finite
+        raise UserError(str(error).strip().splitlines()[0]) from None
+    return out, lse
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The kernel has float32 and float64 code; half types compute in float32 and are cast back.
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def slide_attention_cpp(q, k, v, kernel: Triple, offsets=None, scale: float | None = None) -> torch.Tensor:
-    """Compiled slide attention; arguments as `functional.slide_attention` (already checked), CPU tensors."""
-    if q.device.type != "cpu":
-        raise UserError(f"backend='cpp' needs CPU tensors; got q on {q.device} (use backend='auto')")
-    if extension() is None:
-        return slide_attention_cpu(q, k, v, kernel, offsets, scale)
-    # A non-finite offset would become a garbage grid index in C++; refuse it here.
-    if offsets is not None and not torch.isfinite(offsets.detach()).all():
-        raise UserError("offsets must be finite; got inf or nan")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    dtype = _compute_dtype(q.dtype)
-    qc, kc, vc = (x.to(dtype).contiguous() for x in (q, k, v))
-    off = None if offsets is None else offsets.to(dtype).contiguous()
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, offsets))
-    if needs_grad:
-        out = SlideCppFunction.apply(qc, kc, vc, off, kernel, scale)
-    else:
-        out = extension().forward(qc, kc, vc, qc.new_empty(0) if off is None else off, *kernel, scale)[0]
-    return out.to(q.dtype)
+def backward(q, k, v, offsets, lse, delta, grad_out, kernel: Triple, scale: float):
+    """(dq, dk, dv, doffsets); delta = rowsum(dout * out) - dlse (B, T, H, W, heads)."""
+    ext = extension()
+    if ext is None:
+        return tiled.backward(q, k, v, offsets, lse, delta, grad_out, kernel, scale)
+    off = q.new_empty(0) if offsets is None else offsets
+    return tuple(ext.backward(q, k, v, off, lse, delta, grad_out, *kernel, scale))

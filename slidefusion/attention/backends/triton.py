@@ -1,13 +1,20 @@
-"""Triton kernels for slide / neighbourhood attention (CUDA), forward and backward.
+"""Triton kernels for slide / neighbourhood attention ("triton", CUDA), forward and backward.
 
 One program handles BLOCK_Q consecutive query tokens of one (sample, head). It walks the K window
 slots with an online softmax (FlashAttention's running max and sum), so nothing of size N*K is
-stored: per slot it builds the trilinearly interpolated key and value rows from their 8 corners,
-which stay in L1/L2 because neighbouring queries read overlapping windows. The backward replays
-the walk from the saved log-sum-exp; dK and dV go to their corners with atomic adds (a corner is
-shared by many queries), and the offset gradient of a slot is d score / d point plus
-p * dO . d value / d point, zeroed where the grid clamp holds the point.
+stored: per slot it builds the trilinearly interpolated key and value rows from their 8 corners
+(`_corner`, shared by both passes), which stay in L1/L2 because neighbouring queries read
+overlapping windows. The forward stores the log-sum-exp; the backward replays the walk from it.
+dK and dV go to their corners with atomic adds (a corner is shared by many queries), and the
+offset gradient of a slot is d score / d point plus p * dO . d value / d point, zeroed where the
+grid clamp holds the point. The backward reads delta = rowsum(dO * out) - dlse, which makes the
+same formula the gradient of the log-sum-exp output as well (d lse / d score = p).
 
+Extra (global) keys are not fused here: they are a dense block that a tensor-core matmul handles
+better than a per-query walk, and their dK / dV would be atomics on the same few rows from every
+query. `attention/joint.py` attends to them and merges the two results by their log-sum-exps.
+
+Layouts: q, k, v, out (B, N, heads, D) contiguous (N = T*H*W); lse and delta (B, N, heads) float32.
 The same code runs on the CPU under TRITON_INTERPRET=1, which is how the test suite checks it.
 """
 
@@ -18,13 +25,35 @@ import triton.language as tl
 
 @triton.jit
 def _axis(pos, length):
-    """Clamp a sample coordinate into [0, length - 1]: low/high corner, fraction, not-clamped flag."""
+    """Clamp a sample coordinate into [0, length - 1]: low/high corner, fraction, not-clamped flag.
+
+    A NaN coordinate reads position 0 (an index stays in the grid); `_slot_points` makes its score NaN.
+    """
     inside = (pos > 0.0) & (pos < length - 1.0)
-    p = tl.minimum(tl.maximum(pos, 0.0), length - 1.0)
+    p = tl.minimum(tl.maximum(tl.where(pos == pos, pos, 0.0), 0.0), length - 1.0)
     f = tl.floor(p)
     lo = f.to(tl.int32)
     hi = tl.minimum(lo + 1, length - 1)
     return lo, hi, p - f, inside
+
+
+@triton.jit
+def _corner(c: tl.constexpr, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W):
+    """Corner c = 4*bit_t + 2*bit_h + bit_w of the 8 around each point.
+
+    Returns its grid token, its trilinear weight, and the weight's derivative along t, h and w
+    (the forward drops the derivatives; the compiler removes them).
+    """
+    it = t1 if (c >> 2) & 1 else t0
+    ih = h1 if (c >> 1) & 1 else h0
+    iw = w1 if c & 1 else w0
+    wt = ft if (c >> 2) & 1 else 1.0 - ft
+    wh = fh if (c >> 1) & 1 else 1.0 - fh
+    ww = fw if c & 1 else 1.0 - fw
+    st = 1.0 if (c >> 2) & 1 else -1.0
+    sh = 1.0 if (c >> 1) & 1 else -1.0
+    sw = 1.0 if c & 1 else -1.0
+    return (it * H + ih) * W + iw, wt * wh * ww, st * wh * ww, sh * wt * ww, sw * wt * wh
 
 
 @triton.jit
@@ -64,11 +93,11 @@ def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
     qmask = n < N
     d = tl.arange(0, BLOCK_D)
     m2 = qmask[:, None] & (d < D)[None, :]
-    stride = HEADS * D  # between tokens; q, k, v are (B, N, heads, D) contiguous
+    stride = HEADS * D  # between tokens
     base = b * N * stride + head * D
     q = tl.load(Q + base + n[:, None] * stride + d[None, :], mask=m2, other=0.0).to(tl.float32)
     st, sh, sw = _starts(n, T, H, W, KT, KH, KW)
-    off_row = (b * N + n) * HEADS + head
+    off_row = (b * N + n) * HEADS + head  # also the (B, N, heads) index of lse
     m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
@@ -80,17 +109,12 @@ def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
         kv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
         vv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
         for c in tl.static_range(8):
-            it = t1 if (c >> 2) & 1 else t0
-            ih = h1 if (c >> 1) & 1 else h0
-            iw = w1 if c & 1 else w0
-            wt = ft if (c >> 2) & 1 else 1.0 - ft
-            wh = fh if (c >> 1) & 1 else 1.0 - fh
-            ww = fw if c & 1 else 1.0 - fw
-            wgt = (wt * wh * ww)[:, None]
-            ptr = base + ((it * H + ih) * W + iw)[:, None] * stride + d[None, :]
-            kv += wgt * tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
-            vv += wgt * tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
+            token, wgt, _gt, _gh, _gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
+            ptr = base + token[:, None] * stride + d[None, :]
+            kv += wgt[:, None] * tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
+            vv += wgt[:, None] * tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
         score = tl.sum(q * kv, axis=1) * scale
+        score = tl.where((pt == pt) & (ph == ph) & (pw == pw), score, float("nan"))  # NaN offsets: NaN out
         m_new = tl.maximum(m_i, score)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(score - m_new)
@@ -99,7 +123,7 @@ def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(OUT + base + n[:, None] * stride + d[None, :], out.to(OUT.dtype.element_ty), mask=m2)
-    tl.store(LSE + bh * N + n, m_i + tl.log(l_i), mask=qmask)
+    tl.store(LSE + off_row, m_i + tl.log(l_i), mask=qmask)
 
 
 @triton.jit
@@ -117,10 +141,10 @@ def _slide_bwd(Q, K, V, OFF, DO, LSE, DELTA, DQ, DK, DV, DOFF, T, H, W, N, HEADS
     rows = n[:, None] * stride + d[None, :]
     q = tl.load(Q + base + rows, mask=m2, other=0.0).to(tl.float32)
     do = tl.load(DO + base + rows, mask=m2, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + bh * N + n, mask=qmask, other=0.0)
-    delta = tl.load(DELTA + bh * N + n, mask=qmask, other=0.0)
-    st, sh, sw = _starts(n, T, H, W, KT, KH, KW)
     off_row = (b * N + n) * HEADS + head
+    lse = tl.load(LSE + off_row, mask=qmask, other=0.0)
+    delta = tl.load(DELTA + off_row, mask=qmask, other=0.0)
+    st, sh, sw = _starts(n, T, H, W, KT, KH, KW)
     dq = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
     g_t = tl.zeros((BLOCK_Q,), tl.float32)  # offset gradient summed over slots (KO == 1)
     g_h = tl.zeros((BLOCK_Q,), tl.float32)
@@ -140,40 +164,25 @@ def _slide_bwd(Q, K, V, OFF, DO, LSE, DELTA, DQ, DK, DV, DOFF, T, H, W, N, HEADS
         dv_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
         dv_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
         for c in tl.static_range(8):
-            it = t1 if (c >> 2) & 1 else t0
-            ih = h1 if (c >> 1) & 1 else h0
-            iw = w1 if c & 1 else w0
-            wt = ft if (c >> 2) & 1 else 1.0 - ft
-            wh = fh if (c >> 1) & 1 else 1.0 - fh
-            ww = fw if c & 1 else 1.0 - fw
-            sgn_t = 1.0 if (c >> 2) & 1 else -1.0
-            sgn_h = 1.0 if (c >> 1) & 1 else -1.0
-            sgn_w = 1.0 if c & 1 else -1.0
-            ptr = base + ((it * H + ih) * W + iw)[:, None] * stride + d[None, :]
+            token, wgt, gt, gh, gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
+            ptr = base + token[:, None] * stride + d[None, :]
             kc = tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
             vc = tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
-            wgt = (wt * wh * ww)[:, None]
-            kv += wgt * kc
-            vv += wgt * vc
+            kv += wgt[:, None] * kc
+            vv += wgt[:, None] * vc
             if HAS_OFF:
-                dk_t += (sgn_t * wh * ww)[:, None] * kc
-                dk_h += (sgn_h * wt * ww)[:, None] * kc
-                dk_w += (sgn_w * wt * wh)[:, None] * kc
-                dv_t += (sgn_t * wh * ww)[:, None] * vc
-                dv_h += (sgn_h * wt * ww)[:, None] * vc
-                dv_w += (sgn_w * wt * wh)[:, None] * vc
+                dk_t += gt[:, None] * kc
+                dk_h += gh[:, None] * kc
+                dk_w += gw[:, None] * kc
+                dv_t += gt[:, None] * vc
+                dv_h += gh[:, None] * vc
+                dv_w += gw[:, None] * vc
         p = tl.exp(tl.sum(q * kv, axis=1) * scale - lse)
         ds = p * (tl.sum(do * vv, axis=1) - delta)  # d loss / d score
         dq += ds[:, None] * kv
         for c in tl.static_range(8):
-            it = t1 if (c >> 2) & 1 else t0
-            ih = h1 if (c >> 1) & 1 else h0
-            iw = w1 if c & 1 else w0
-            wt = ft if (c >> 2) & 1 else 1.0 - ft
-            wh = fh if (c >> 1) & 1 else 1.0 - fh
-            ww = fw if c & 1 else 1.0 - fw
-            wgt = wt * wh * ww
-            ptr = base + ((it * H + ih) * W + iw)[:, None] * stride + d[None, :]
+            token, wgt, _gt, _gh, _gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
+            ptr = base + token[:, None] * stride + d[None, :]
             tl.atomic_add(DK + ptr, (wgt * ds * scale)[:, None] * q, mask=m2)
             tl.atomic_add(DV + ptr, (wgt * p)[:, None] * do, mask=m2)
         if HAS_OFF:
@@ -211,44 +220,25 @@ def _launch_args(q, kernel, offsets):
     return grid, (T, H, W, N, heads), consts
 
 
-class TritonSlideFunction(torch.autograd.Function):
-    """Saves q, k, v, offsets, out and the log-sum-exp (B*heads*N floats); replays the rest."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets, kernel, scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        offsets = None if offsets is None else offsets.contiguous()
-        grid, dims, consts = _launch_args(q, kernel, offsets)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0] * q.shape[4], dims[3], device=q.device, dtype=torch.float32)
-        off_arg = offsets if offsets is not None else q  # never read without offsets
-        _slide_fwd[grid](q, k, v, off_arg, out, lse, *dims, scale, **consts)
-        ctx.save_for_backward(q, k, v, offsets, out, lse)
-        ctx.kernel, ctx.scale = kernel, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, offsets, out, lse = ctx.saved_tensors
-        do = grad_out.contiguous()
-        B, T, H, W, heads, D = q.shape
-        delta = (do.float() * out.float()).sum(-1)  # (B, T, H, W, heads)
-        delta = delta.reshape(B, T * H * W, heads).transpose(1, 2).reshape(B * heads, -1).contiguous()
-        grid, dims, consts = _launch_args(q, ctx.kernel, offsets)
-        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        dk = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # atomics accumulate in fp32
-        dv = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        doff = None if offsets is None else torch.zeros(offsets.shape, device=q.device, dtype=torch.float32)
-        off_arg = offsets if offsets is not None else q
-        doff_arg = doff if doff is not None else dq
-        _slide_bwd[grid](q, k, v, off_arg, do, lse, delta, dq, dk, dv, doff_arg, *dims, ctx.scale, **consts)
-        cast = (lambda x, like: None if x is None else x.to(like.dtype))
-        return cast(dq, q), cast(dk, k), cast(dv, v), cast(doff, offsets) if offsets is not None else None, None, None
+def forward(q, k, v, offsets, kernel, scale: float):
+    """out (B, T, H, W, heads, D) in q's dtype and lse (B, T, H, W, heads) float32."""
+    grid, dims, consts = _launch_args(q, kernel, offsets)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:5], device=q.device, dtype=torch.float32)
+    off_arg = offsets if offsets is not None else q  # never read without offsets
+    _slide_fwd[grid](q, k, v, off_arg, out, lse, *dims, scale, **consts)
+    return out, lse
 
 
-def slide_attention_triton(q, k, v, kernel, offsets=None, scale=None):
-    """Fused slide attention; arguments as `functional.slide_attention` (already checked)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if offsets is not None and offsets.dtype != q.dtype:
-        offsets = offsets.to(q.dtype)
-    return TritonSlideFunction.apply(q, k, v, offsets, tuple(kernel), scale)
+def backward(q, k, v, offsets, lse, delta, grad_out, kernel, scale: float):
+    """(dq, dk, dv, doffsets) in the inputs' dtypes; delta = rowsum(dout * out) - dlse, float32."""
+    grid, dims, consts = _launch_args(q, kernel, offsets)
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # atomics accumulate in fp32
+    dv = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    doff = q.new_empty(0) if offsets is None else torch.zeros(offsets.shape, device=q.device, dtype=torch.float32)
+    off_arg = offsets if offsets is not None else q
+    doff_arg = doff if offsets is not None else dq
+    _slide_bwd[grid](q, k, v, off_arg, grad_out.contiguous(), lse.contiguous(), delta.float().contiguous(),
+                     dq, dk, dv, doff_arg, *dims, scale, **consts)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), doff.to(q.dtype)

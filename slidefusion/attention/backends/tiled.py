@@ -1,4 +1,4 @@
-"""Tiled slide attention in plain PyTorch: the fast path on CPU (it runs on any device).
+"""Tiled slide attention in plain PyTorch ("tiled"): runs on any device; the CPU fallback of "cpp".
 
 Queries are cut into tiles of (tt, th, tw) tokens. A tile's queries read keys only from the tile's
 *halo*: the union of their windows, widened by `extend` tokens per side when offsets move the
@@ -12,7 +12,8 @@ queries share their keys, and tiles go a few at a time so that no temporary hold
   interpolation of the halo scores (`grid_sample` on each query's score volume) instead of a dot
   product with an interpolated key; and sum_s p_s v(point_s) = A @ V_halo, where A is the adjoint of
   that interpolation applied to the probabilities (grid_sample's input gradient).
-* The backward recomputes scores and probabilities tile by tile from q, k, v and offsets.
+* The backward recomputes scores tile by tile from q, k, v and offsets, and the probabilities
+  from the saved log-sum-exp.
 
 Layouts: "tiles" are (B, heads, nt, nh, nw, Qt, ...) with Qt = tt*th*tw queries in row-major
 (t, h, w) order; a halo is flattened in (w, h, t) order so that, seen as a grid_sample volume
@@ -256,40 +257,43 @@ def _point_grad(weights: torch.Tensor, volumes: torch.Tensor, pts: Points, need_
 
 
 # Q arrives pre-multiplied by the scale, so scores are plain Q Kh^T and the backward's dQ lacks
-# one factor of the scale (applied once, by the caller). The softmax is recomputed in the backward
-# rather than rebuilt from a saved log-sum-exp: one fused pass either way, and nothing to save.
+# one factor of the scale (applied once, by the caller). The backward rebuilds the probabilities
+# from the saved log-sum-exp; `delta` is rowsum(dO * out) - dlse, so the same formula gives the
+# gradient of the log-sum-exp output too (d lse / d logit = p).
 
 
 def neighborhood_chunk_forward(Q, Kh, Vh, bias):
-    """Masked softmax over the halo: out (..., Qt, D)."""
+    """Masked softmax over the halo: out (..., Qt, D) and lse (..., Qt)."""
     s = torch.matmul(Q, Kh.transpose(-1, -2)).add_(bias)  # (..., Qt, halo)
-    return torch.matmul(torch.softmax(s, dim=-1), Vh)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(s.sub_(lse[..., None]).exp_(), Vh), lse
 
 
 def slide_chunk_forward(Q, Kh, Vh, pts: Points, plan: Plan):
-    """Softmax over the interpolated scores at the K points: out (..., Qt, D)."""
+    """Softmax over the interpolated scores at the K points: out (..., Qt, D) and lse (..., Qt)."""
     lead = Q.shape[:-1]  # (B, heads, ct, ch, nw, Qt)
     s = _volumes(torch.matmul(Q, Kh.transpose(-1, -2)), plan)  # (rows, 1, Hw, Hh, Ht)
-    p = torch.softmax(_interpolate(s, pts), dim=-1)  # (rows, K)
-    a = _scatter(p, s, pts).view(*lead, -1)  # (..., Qt, halo)
-    return torch.matmul(a, Vh)
+    z = _interpolate(s, pts)  # (rows, K)
+    lse = torch.logsumexp(z, dim=-1)
+    a = _scatter(z.sub_(lse[:, None]).exp_(), s, pts).view(*lead, -1)  # (..., Qt, halo)
+    return torch.matmul(a, Vh), lse.view(lead)
 
 
-def neighborhood_chunk_backward(Q, Kh, Vh, bias, dO, delta):
+def neighborhood_chunk_backward(Q, Kh, Vh, bias, dO, lse, delta):
     """Gradients (dQ / scale, dKh, dVh) of one chunk."""
     s = torch.matmul(Q, Kh.transpose(-1, -2)).add_(bias)
-    p = torch.softmax(s, dim=-1)  # (..., Qt, halo)
+    p = s.sub_(lse[..., None]).exp_()  # (..., Qt, halo)
     dVh = torch.matmul(p.transpose(-1, -2), dO)
     dp = torch.matmul(dO, Vh.transpose(-1, -2))
     ds = dp.sub_(delta[..., None]).mul_(p)
     return torch.matmul(ds, Kh), torch.matmul(ds.transpose(-1, -2), Q), dVh
 
 
-def slide_chunk_backward(Q, Kh, Vh, pts: Points, plan: Plan, dO, delta):
+def slide_chunk_backward(Q, Kh, Vh, pts: Points, plan: Plan, dO, lse, delta):
     """Gradients (dQ / scale, dKh, dVh, d_grid) of one chunk; d_grid (rows, 1, 1, K, 3) in normalised units."""
     lead = Q.shape[:-1]
     s = _volumes(torch.matmul(Q, Kh.transpose(-1, -2)), plan)
-    p = torch.softmax(_interpolate(s, pts), dim=-1)  # (rows, K)
+    p = _interpolate(s, pts).sub_(lse.reshape(-1, 1)).exp_()  # (rows, K)
     a = _scatter(p, s, pts).view(*lead, -1)  # (..., Qt, halo)
     dVh = torch.matmul(a.transpose(-1, -2), dO)
     da = _volumes(torch.matmul(dO, Vh.transpose(-1, -2)), plan)  # (rows, 1, Hw, Hh, Ht)
@@ -313,10 +317,6 @@ def _extend(offsets: torch.Tensor | None) -> Triple:
     if not torch.isfinite(reach).all():
         raise UserError("offsets must be finite; got inf or nan")
     return tuple(int(r) + 1 for r in reach.floor().tolist())
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class _Context:
@@ -352,49 +352,54 @@ class _Context:
         return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
 
 
-def _forward(q, k, v, offsets, kernel, scale, tile):
-    """Returns out (B, T, H, W, heads, D) and the same in tiles (B, heads, nt, nh, nw, Qt, D)."""
+def forward(q, k, v, offsets, kernel: Triple, scale: float, tile: Triple | None = None):
+    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); inputs normalised by the dispatch layer."""
     B, T, H, W, heads, D = q.shape
     ctx = _Context(q, kernel, offsets, tile)
     plan = ctx.plan
     Qt_all = to_tiles(q, plan) * scale  # (B, heads, nt, nh, nw, Qt, D)
     k_rows, v_rows = to_rows(k), to_rows(v)
     out = torch.empty_like(Qt_all)
+    lse = torch.empty(Qt_all.shape[:-1], dtype=q.dtype, device=q.device)  # (B, heads, nt, nh, nw, Qt)
     for t0, t1, h0, h1 in plan.chunks():
         shape = (t1 - t0, h1 - h0, plan.axes[2].n)
         index = ctx.halo_rows(t0, t1, h0, h1)
         Kh, Vh = ctx.gather(k_rows, index, B, heads, shape), ctx.gather(v_rows, index, B, heads, shape)
         Q = Qt_all[:, :, t0:t1, h0:h1]
         if offsets is None:
-            o = neighborhood_chunk_forward(Q, Kh, Vh, ctx.bias(t0, t1, h0, h1, q.dtype))
+            o, m = neighborhood_chunk_forward(Q, Kh, Vh, ctx.bias(t0, t1, h0, h1, q.dtype))
         else:
-            o = slide_chunk_forward(Q, Kh, Vh, sample_points(offsets, plan, t0, t1, h0, h1, q.dtype), plan)
-        out[:, :, t0:t1, h0:h1] = o
-    return from_tiles(out, plan), out
+            o, m = slide_chunk_forward(Q, Kh, Vh, sample_points(offsets, plan, t0, t1, h0, h1, q.dtype), plan)
+        out[:, :, t0:t1, h0:h1], lse[:, :, t0:t1, h0:h1] = o, m
+    return from_tiles(out, plan), from_tiles(lse[..., None], plan)[..., 0]
 
 
-def _backward(q, k, v, offsets, kernel, scale, tile, out_tiles, grad_out):
+def backward(q, k, v, offsets, lse, delta, grad_out, kernel: Triple, scale: float, tile: Triple | None = None):
+    """(dq, dk, dv, doffsets) from the saved lse and delta = rowsum(dout * out) - dlse, both (B, T, H, W, heads).
+
+    doffsets is an empty tensor without offsets.
+    """
     B, T, H, W, heads, D = q.shape
     ctx = _Context(q, kernel, offsets, tile)
     plan = ctx.plan
     Qt_all = to_tiles(q, plan) * scale
-    dO_all = to_tiles(grad_out.to(q.dtype), plan)  # padding queries get dO = 0: they add nothing
-    delta = (dO_all * out_tiles).sum(-1)  # (B, heads, nt, nh, nw, Qt)
+    dO_all = to_tiles(grad_out, plan)  # padding queries get dO = 0 and delta = 0: they add nothing
+    lse_all, delta_all = (to_tiles(x[..., None], plan)[..., 0] for x in (lse, delta))  # (B, heads, nt, nh, nw, Qt)
     k_rows, v_rows = to_rows(k), to_rows(v)
     dQ = torch.empty_like(Qt_all)
     dk_rows, dv_rows = torch.zeros_like(k_rows), torch.zeros_like(v_rows)
-    d_off = None if offsets is None else torch.zeros_like(offsets, dtype=q.dtype)
+    d_off = q.new_empty(0) if offsets is None else torch.zeros_like(offsets)
     for t0, t1, h0, h1 in plan.chunks():
         shape = (t1 - t0, h1 - h0, plan.axes[2].n)
         index = ctx.halo_rows(t0, t1, h0, h1)
         Kh, Vh = ctx.gather(k_rows, index, B, heads, shape), ctx.gather(v_rows, index, B, heads, shape)
         sl = (slice(None), slice(None), slice(t0, t1), slice(h0, h1))
-        Q, dO, dl = Qt_all[sl], dO_all[sl], delta[sl]
+        Q, dO, m, dl = Qt_all[sl], dO_all[sl], lse_all[sl], delta_all[sl]
         if offsets is None:
-            dq, dKh, dVh = neighborhood_chunk_backward(Q, Kh, Vh, ctx.bias(t0, t1, h0, h1, q.dtype), dO, dl)
+            dq, dKh, dVh = neighborhood_chunk_backward(Q, Kh, Vh, ctx.bias(t0, t1, h0, h1, q.dtype), dO, m, dl)
         else:
             pts = sample_points(offsets, plan, t0, t1, h0, h1, q.dtype, inside=True)
-            dq, dKh, dVh, d_grid = slide_chunk_backward(Q, Kh, Vh, pts, plan, dO, dl)
+            dq, dKh, dVh, d_grid = slide_chunk_backward(Q, Kh, Vh, pts, plan, dO, m, dl)
             _add_offset_grad(d_off, d_grid, pts, plan, t0, t1, h0, h1)
         dQ[sl] = dq
         dk_rows.index_add_(0, index, dKh.reshape(-1, D))
@@ -422,36 +427,3 @@ def _add_offset_grad(d_off, d_grid, pts: Points, plan: Plan, t0, t1, h0, h1) -> 
     T0, H0 = t0 * at.tile, h0 * ah.tile
     T1, H1 = min(T0 + ct * at.tile, T), min(H0 + ch * ah.tile, H)
     d_off[:, T0:T1, H0:H1] += g[:, : T1 - T0, : H1 - H0, :W]
-
-
-class SlideFunction(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, offsets and the output tiles; recomputes the rest."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets, kernel, scale, tile):
-        out, out_tiles = _forward(q, k, v, offsets, kernel, scale, tile)
-        ctx.save_for_backward(q, k, v, offsets, out_tiles)
-        ctx.kernel, ctx.scale, ctx.tile = kernel, scale, tile
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, offsets, out_tiles = ctx.saved_tensors
-        dq, dk, dv, doff = _backward(q, k, v, offsets, ctx.kernel, ctx.scale, ctx.tile, out_tiles, grad_out)
-        return dq, dk, dv, doff, None, None, None
-
-
-def slide_attention_cpu(q, k, v, kernel: Triple, offsets=None, scale: float | None = None, tile: Triple | None = None):
-    """Tiled slide attention; arguments as `functional.slide_attention` (already checked)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    dtype = _compute_dtype(q.dtype)
-    qc, kc, vc = (x.to(dtype) for x in (q, k, v))
-    off = None if offsets is None else offsets.to(dtype)
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, offsets)
-    )
-    if needs_grad:
-        out = SlideFunction.apply(qc, kc, vc, off, kernel, scale, tile)
-    else:
-        out = _forward(qc, kc, vc, off, kernel, scale, tile)[0]
-    return out.to(q.dtype)

@@ -1,0 +1,100 @@
+"""`OffloadPolicy`: every knob of `OffloadEngine` in one typed record, validated when built.
+
+The user-facing form is the `offload:` config section (`OffloadConfig`); `slidefusion.offload.training`
+derives a policy from it and the `optim:` section. Code that drives the engine directly builds one:
+
+    OffloadEngine(model, blocks, OffloadPolicy(device="cuda", master="bf16", moments="int8",
+                                               optim=OptimConfig(lr=1e-4, max_grad_norm=1.0)))
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from slidefusion.errors import check
+from slidefusion.optim import OptimConfig
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MASTERS = ("fp32", "bf16")  # the weights AdamW updates, on the host
+MOMENTS = ("fp32", "bf16", "int8")  # AdamW's two moments, on the host
+ROUNDINGS = ("stochastic", "kahan")  # how a bf16 master keeps updates smaller than half its ulp
+
+
+def engine_optim() -> OptimConfig:
+    """The engine's defaults: no clipping (warm-up and EMA belong to the trainer, not the engine)."""
+    return OptimConfig(lr=1e-4, max_grad_norm=None, warmup_steps=0, ema_decay=None)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """How the engine keeps state and moves weights. Sizes in bytes, counts in blocks."""
+
+    device: str = "cuda"
+    compute_dtype: torch.dtype = torch.bfloat16  # the streamed copy and the gradients
+    master: str = "fp32"
+    moments: str = "fp32"
+    rounding: str = "stochastic"  # bf16 master only; "kahan" adds a 2 B/param compensation buffer
+    optim: OptimConfig = field(default_factory=engine_optim)  # lr, betas, eps, weight_decay, max_grad_norm
+    prefetch: int = 1  # blocks uploading ahead of the one computing
+    checkpoint: bool = True  # recompute each block in backward (activations: block inputs only)
+    resident_blocks: int = 0  # the last N blocks in call order live on the device, never streamed
+    optimizer_threads: int | None = None  # default: 1 on a CPU device, half the cores with a GPU
+    pin_budget: int | None = None  # most page-locked host bytes (None: no limit); the rest is pageable
+    pin_chunk: int = 256 << 20  # bytes page-locked per call: one call never locks a whole model
+    seed: int = 0  # of the stochastic rounding streams (a function of seed, step, group, element)
+    zero_copy: bool | None = None  # compute from the host buffers in place (None: on a CPU device, which
+    # has no other memory; False there simulates a device with copy threads, as the race tests do)
+
+    def __post_init__(self):
+        names = ", ".join(f"torch.{name}" for name in COMPUTE_DTYPES)
+        check(self.compute_dtype in COMPUTE_DTYPES.values(), f"compute_dtype={self.compute_dtype} is unsupported; valid: {names}")
+        check(self.master in MASTERS, f"master={self.master!r} is unknown; valid: {', '.join(MASTERS)}")
+        check(self.moments in MOMENTS, f"moments={self.moments!r} is unknown; valid: {', '.join(MOMENTS)}")
+        check(self.rounding in ROUNDINGS, f"rounding={self.rounding!r} is unknown; valid: {', '.join(ROUNDINGS)}")
+        check(isinstance(self.optim, OptimConfig), f"optim={self.optim!r} must be an OptimConfig")
+        check(isinstance(self.prefetch, int) and self.prefetch >= 0, f"prefetch={self.prefetch!r} must be an int >= 0")
+        check(isinstance(self.resident_blocks, int) and self.resident_blocks >= 0,
+              f"resident_blocks={self.resident_blocks!r} must be an int >= 0 (resolve 'auto' with the planner)")
+        check(self.optimizer_threads is None or self.optimizer_threads >= 1,
+              f"optimizer_threads={self.optimizer_threads} must be >= 1")
+        check(self.pin_budget is None or self.pin_budget >= 0, f"pin_budget={self.pin_budget} must be >= 0 bytes or None")
+        check(self.pin_chunk >= 4096, f"pin_chunk={self.pin_chunk} must be >= 4096 bytes")
+        device = self.torch_device  # validates the device
+        check(not (self.zero_copy and device.type != "cpu"), f"zero_copy=True needs device='cpu', not {self.device!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        check(device is not None and device.type in ("cpu", "cuda"), f"device={self.device!r} is unsupported; valid: cpu, cuda")
+        check(device.type != "cuda" or torch.cuda.is_available(),
+              f"device={self.device!r} but CUDA is not available here; use device='cpu'")
+        return device
+
+    @property
+    def direct(self) -> bool:
+        """The device computes from the host buffers themselves: no uploads, no downloads."""
+        return self.zero_copy if self.zero_copy is not None else self.torch_device.type == "cpu"
+
+    @property
+    def threads(self) -> int:
+        """Optimizer threads: on a CPU device the cores compute; with a GPU they are free for AdamW."""
+        if self.optimizer_threads is not None:
+            return self.optimizer_threads
+        return 1 if self.torch_device.type == "cpu" else max(1, (os.cpu_count() or 2) // 2)
+
+    @property
+    def clip(self) -> float | None:
+        return self.optim.max_grad_norm
+
+    @property
+    def compute_bytes(self) -> int:
+        return torch.finfo(self.compute_dtype).bits // 8
+
+    @property
+    def exact(self) -> bool:
+        """fp32 everywhere: the update is bitwise torch.optim.AdamW's."""
+        return self.compute_dtype == torch.float32 and self.master == "fp32" and self.moments == "fp32"

@@ -1,0 +1,119 @@
+"""The diffusers-style call shared by our pipelines (`VideoPipeline`, `FolderPipeline`).
+
+    out = pipe("a cat", num_frames=33, height=480, width=832, num_inference_steps=30, guidance_scale=5.0,
+               generator=torch.Generator().manual_seed(0), output_type="np")
+    out.frames[0]                     # (F, H, W, 3) float in [0, 1], what diffusers' export_to_video takes
+
+`prompt` may be a list; `generator` one generator (one draw for the whole batch, as diffusers'
+`randn_tensor`) or one per prompt; `seed=S` is `generator=torch.Generator().manual_seed(S)`;
+output_type "np" (B, F, H, W, 3) numpy, "pt" (B, F, 3, H, W) tensor, both in [0, 1], or "latent".
+Our older names (`frames`, `steps`, `guidance`) are accepted too. A subclass provides
+`sample_latents(prompts, negatives, noise_fn, frames, height, width, steps, guidance, progress)`,
+`decode_batch(latents)`, `default_sizes()` and `to(device)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from slidefusion import validate
+from slidefusion.errors import UserError, check
+
+OUTPUT_TYPES = ("np", "pt", "latent")
+NoiseFn = Callable[[tuple[int, ...]], Tensor]  # latent shape (B, C, T, H, W) -> initial noise
+
+
+@dataclass
+class VideoPipelineOutput:
+    """What a call returns: `frames` as `output_type` says (diffusers' field name)."""
+
+    frames: object
+
+
+def save_latents(path: str | Path, latents: Tensor) -> Path:
+    """Write final latents as safetensors under the key `latents`, atomically (temp + rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
+    tmp.replace(path)
+    return path
+
+
+def noise_from(generator, seed: int | None, batch: int, draw: Callable) -> NoiseFn:
+    """The initial noise: one generator for the whole batch, one per prompt, a seed, or torch's own RNG.
+    `draw(shape, generator)` draws in the family's layout."""
+    if generator is None and seed is not None:
+        generator = torch.Generator().manual_seed(validate.seed(seed, "seed"))
+    if isinstance(generator, (list, tuple)):
+        check(len(generator) == batch, f"generator: {len(generator)} generators for {batch} prompts; give one per prompt")
+        return lambda shape: torch.cat([draw((1, *shape[1:]), g) for g in generator])
+    check(generator is None or isinstance(generator, torch.Generator),
+          f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}")
+    return lambda shape: draw(shape, generator)
+
+
+def _prompts(prompt, negative_prompt) -> tuple[list[str], list[str]]:
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
+    check(prompts and all(isinstance(p, str) and p.strip() for p in prompts),
+          "prompt must be a non-empty text or a list of them")
+    negatives = negative_prompt if isinstance(negative_prompt, (list, tuple)) else [negative_prompt or ""] * len(prompts)
+    check(len(negatives) == len(prompts) and all(isinstance(n, str) for n in negatives),
+          f"negative_prompt: {len(negatives)} texts for {len(prompts)} prompts")
+    return prompts, list(negatives)
+
+
+def _frames(video: Tensor, output_type: str):
+    """Videos (B, 3, F, H, W) in [-1, 1] -> diffusers' "pt" (B, F, 3, H, W) or "np" (B, F, H, W, 3) in [0, 1]."""
+    pt = (video.float().transpose(1, 2) / 2 + 0.5).clamp(0, 1)
+    return pt if output_type == "pt" else pt.permute(0, 1, 3, 4, 2).numpy()
+
+
+class DiffusersCall:
+    """`__call__` with diffusers' argument names, over a subclass's `sample_latents` and `decode_batch`."""
+
+    def default_sizes(self) -> dict:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def __call__(self, prompt=None, negative_prompt=None, *, num_frames: int | None = None, height: int | None = None,
+                 width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 generator=None, output_type: str = "np", return_dict: bool = True, seed: int | None = None,
+                 frames: int | None = None, steps: int | None = None, guidance: float | None = None,
+                 progress: bool = False):
+        """Sample videos; see the module docstring. Returns a `VideoPipelineOutput` (a tuple
+        `(frames,)` with return_dict=False, as diffusers)."""
+        check(output_type in OUTPUT_TYPES, f"output_type={output_type!r} is unknown; valid: {', '.join(OUTPUT_TYPES)}")
+        prompts, negatives = _prompts(prompt, negative_prompt)
+        sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=num_frames or frames, height=height,
+                                                                   width=width).items() if v is not None}}
+        steps = num_inference_steps or steps or sizes.pop("steps", 30)
+        scale = guidance_scale if guidance_scale is not None else guidance
+        scale = sizes.pop("guidance", 5.0) if scale is None else scale
+        sizes.pop("steps", None), sizes.pop("guidance", None)
+        validate.finite(scale, "guidance_scale", 0)
+        check(isinstance(steps, int) and steps >= 1, f"num_inference_steps={steps!r} must be an int >= 1")
+        noise = noise_from(generator, seed, len(prompts), self.draw_noise)
+        latents = self.sample_latents(prompts, negatives, noise, steps=steps, guidance=float(scale), progress=progress,
+                                      **sizes)
+        result = latents if output_type == "latent" else _frames(self.decode_batch(latents), output_type)
+        return VideoPipelineOutput(result) if return_dict else (result,)
+
+    def draw_noise(self, shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor:
+        """Initial noise of `shape` (B, C, T, H, W), float32 on the CPU."""
+        return torch.randn(shape, generator=generator)
+
+
+def refuse_existing(path: str | Path, force: bool) -> Path:
+    """`save_pretrained`'s destination: a new path, or an existing folder with `force`."""
+    path = Path(path)
+    if path.exists() and not (force and path.is_dir()):
+        raise UserError(f"save_pretrained: {path} already exists; pass force=True to replace a folder, or a new path")
+    return path

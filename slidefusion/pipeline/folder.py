@@ -1,0 +1,177 @@
+"""Text-to-video with a diffusers pipeline folder, or with a fine-tune of one, in one process.
+
+    pipe = FolderPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")   # or VideoPipeline.from_pretrained
+    latents = pipe.latents("a cat", frames=33, height=480, width=832, steps=30, guidance=5.0, seed=0)
+    out = pipe("a cat", num_frames=33, height=480, width=832, generator=torch.Generator().manual_seed(0))
+
+Sampling is `slidefusion.pretrained.sampling` (the folder's scheduler, its prompt encoding and
+noise layout), the same loop `generate --pretrained --parallel` runs on every rank; a seed gives
+the latents of the family's own diffusers pipeline called with `torch.Generator().manual_seed(seed)`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from slidefusion import validate
+from slidefusion.errors import UserError, check
+from slidefusion.pipeline.call import DiffusersCall, NoiseFn, refuse_existing
+from slidefusion.pipeline.ours import check_finite
+
+
+def is_diffusers_folder(path: str | Path) -> bool:
+    """A diffusers pipeline folder (model_index.json), not one of our checkpoints."""
+    return (Path(path) / "model_index.json").is_file()
+
+
+@dataclass
+class FolderPipeline(DiffusersCall):
+    """`parts`: the folder's components (`slidefusion.pretrained.PretrainedParts`)."""
+
+    parts: object
+    device: torch.device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FolderPipeline:
+        from slidefusion.pretrained import PretrainedParts
+
+        return cls(PretrainedParts.load(path, dtype), torch.device("cpu")).to(device)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, config, device: str = "cpu") -> FolderPipeline:
+        """The source folder of a fine-tune with the checkpoint's (EMA) weights in its transformer:
+        every weight of a full fine-tune, or LoRA's adapters added to the base."""
+        from slidefusion.pretrained import PretrainedParts
+        from slidefusion.training.checkpoint import first_nonfinite
+        from slidefusion.training.finetune import lora
+
+        parts = PretrainedParts.load(config.model.pretrained)
+        names = [e.name for e in parts.folder.experts()]
+        model = parts.experts[names.index(config.model.expert)][0]
+        weights = ckpt.sampling_weights
+        bad = first_nonfinite(weights)
+        check(bad is None, f"checkpoint {ckpt.path}: weight {bad} holds NaN or infinity; sample from an earlier checkpoint")
+        if config.lora.enabled:
+            lora.add_lora(model, config.lora, parts.adapter.lora_targets)
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        expected_missing = [k for k in missing if not (config.lora.enabled and not lora.is_lora_weight(k))]
+        if expected_missing or unexpected:
+            raise UserError(f"checkpoint {ckpt.path}: its weights do not fit {config.model.pretrained} "
+                            f"(e.g. {(expected_missing or unexpected)[0]}); was the folder changed since the run?")
+        model.eval()
+        return cls(parts, torch.device("cpu")).to(device)
+
+    def save_pretrained(self, path: str | Path, force: bool = False) -> Path:
+        """A diffusers pipeline folder of these components, written by the family's pipeline class."""
+        import diffusers
+
+        from slidefusion.training.checkpoint import atomic_folder
+
+        path = refuse_existing(path, force)
+        parts = self.parts
+        cls = getattr(diffusers, parts.folder.pipeline_class)
+        accepted = inspect.signature(cls.__init__).parameters
+        components = {name: getattr(parts, name, None) for name in accepted if hasattr(parts, name)}
+        for (model, _), expert in zip(parts.experts, parts.folder.experts()):
+            components[expert.name] = model
+        extras = {k: v for k, v in (parts.folder.index or {}).items() if k in accepted and k not in components
+                  and not isinstance(v, list)}
+        with atomic_folder(path) as tmp:
+            cls(**{k: v for k, v in components.items() if k in accepted}, **extras).save_pretrained(str(tmp))
+        return path
+
+    def to(self, device) -> FolderPipeline:
+        """Move every component (transformers, text encoders, VAE); returns self."""
+        self.device = validate.device(str(device), "device")
+        for module in [m for m, _ in self.parts.experts] + [self.parts.text_encoder, self.parts.text_encoder_2,
+                                                             self.parts.vae]:
+            if module is not None:
+                module.to(self.device)
+        return self
+
+    @property
+    def adapter(self):
+        return self.parts.adapter
+
+    @property
+    def fps(self) -> int:
+        return self.parts.adapter.fps
+
+    def default_sizes(self) -> dict:
+        """The family's diffusers defaults (`num_frames`, `height`, `width`, steps, guidance) where it has them."""
+        import diffusers
+
+        params = inspect.signature(getattr(diffusers, self.parts.folder.pipeline_class).__call__).parameters
+        found = {ours: params[theirs].default for ours, theirs in (
+            ("frames", "num_frames"), ("frames", "video_length"), ("height", "height"), ("width", "width"),
+            ("steps", "num_inference_steps"), ("guidance", "guidance_scale"))
+            if theirs in params and params[theirs].default not in (None, inspect.Parameter.empty)}
+        return found
+
+    def draw_noise(self, shape, generator) -> Tensor:
+        from slidefusion.pretrained import initial_noise
+
+        return initial_noise(self.parts.adapter, shape, generator)
+
+    @torch.no_grad()
+    def decode_batch(self, latents: Tensor) -> Tensor:
+        """Latents (B, C, T', H', W') -> videos (B, 3, F, H, W) in [-1, 1], on the CPU."""
+        from slidefusion.pretrained import decode
+
+        return decode(self.parts, latents.to(self.device))
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents (1, C, T', H', W') -> the video (3, F, H, W) in [-1, 1], on the CPU."""
+        return self.decode_batch(latents)[0]
+
+    @torch.no_grad()
+    def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
+                steps: int = 30, guidance: float = 5.0, seed: int = 0, negative_prompt: str = "",
+                progress: bool = True) -> Tensor:
+        """Final latents (1, C, T', H', W') of one prompt, noise from `seed`."""
+        return self.latents_batch([prompt], [seed], frames=frames, height=height, width=width, steps=steps,
+                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress)
+
+    @torch.no_grad()
+    def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
+                      height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 5.0,
+                      negative_prompt: str = "", progress: bool = False) -> Tensor:
+        """Latents (B, C, T', H', W'); video i starts from the noise of seed `seeds[i]` alone."""
+        check(len(prompts) == len(seeds) and len(prompts) > 0,
+              f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
+        generators = [torch.Generator().manual_seed(validate.seed(s, "seed")) for s in seeds]
+        noise = lambda shape: torch.cat([self.draw_noise((1, *shape[1:]), g) for g in generators])  # noqa: E731
+        sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=frames, height=height, width=width).items()
+                                           if v is not None}}
+        return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=sizes.get("frames"),
+                                   height=sizes.get("height"), width=sizes.get("width"), steps=steps,
+                                   guidance=guidance, progress=progress)
+
+    @torch.no_grad()
+    def sample_latents(self, prompts: list[str], negatives: list[str], noise: NoiseFn, *, frames: int | None,
+                       height: int | None, width: int | None, steps: int, guidance: float,
+                       progress: bool = False) -> Tensor:
+        """Latents (B, C, T', H', W') from `noise(shape)`, by the folder's scheduler loop."""
+        from slidefusion.pretrained import denoise, encode_prompts, latent_shape
+
+        parts = self.parts
+        for key, value in (("frames", frames), ("height", height), ("width", width)):
+            check(isinstance(value, int) and value >= 1, f"{key} must be given for {parts.folder.pipeline_class} "
+                                                         f"(a positive int), got {value!r}")
+        check(all(p.strip() for p in prompts), "prompt must be a non-empty text")
+        validate.finite(guidance, "guidance", 0)
+        shape = latent_shape(parts.adapter, parts.transformer, parts.vae.config, frames, height, width,
+                             type(parts.vae).__name__)
+        initial = noise((len(prompts), *shape[1:])).to(self.device)
+        cond = encode_prompts(parts, prompts)
+        guided = guidance != 1.0 and parts.adapter.guidance == "cfg"
+        uncond = encode_prompts(parts, negatives) if guided else None
+        latents = denoise(parts, initial, cond, uncond, steps, guidance, progress)
+        check_finite(latents, guidance, steps)
+        return latents

@@ -1,0 +1,155 @@
+"""Latents and text states of a fine-tune, computed once before the first step and read from disk after.
+
+As in musubi-tuner, every clip's latents and every caption's text states are one safetensors file,
+named by a hash of what determines them, so a cache is reused by any run that would compute the
+same tensors and never by one that would not:
+
+    CACHE/latents/<sha>.safetensors   "latents" (C, T, H, W) float32; key: the clip (dataset kind,
+                                      file and its size and mtime or the procedural seed and index,
+                                      frames, height, width, stride) and the VAE (its files)
+    CACHE/text/<sha>.safetensors      "states" (L, D) float32, "mask" (L,) uint8 (families that take
+                                      one), "pooled" (P,) (HunyuanVideo); key: the caption and the
+                                      text encoders and tokenizers (their files)
+
+Each file is written to a temporary name and renamed into place. Wan's states end in zeros (its
+pipeline zero-pads to 512 tokens), so only the rows up to the last non-zero one are stored and the
+batch pads them back; other families' padding states are the encoder's own and are kept whole.
+Latents are the VAE posterior's mean (deterministic: the cache does not depend on a seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from slidefusion.adapters import TextConditioning
+from slidefusion.errors import UserError
+
+FORMAT = "slidefusion.finetune_cache/1"
+
+
+def _digest(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def component_identity(folder, names: list[str]) -> dict:
+    """What identifies some components of a folder: each file's relative path, size and mtime."""
+    files = {}
+    for name in names:
+        root = folder.component_dir(name)
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            stat = path.stat()
+            files[f"{name}/{path.relative_to(root).as_posix()}"] = [stat.st_size, stat.st_mtime_ns]
+    return files
+
+
+def clip_identity(data, dataset, index: int) -> dict:
+    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE."""
+    record = {"kind": data.kind, "index": index, "frames": data.frames, "height": data.height, "width": data.width}
+    if data.kind == "shapes":
+        record.update(seed=data.seed, max_objects=data.max_objects)
+    else:
+        path = Path(dataset.files[index])
+        stat = path.stat()
+        record.update(file=str(path.resolve()), size=stat.st_size, mtime=stat.st_mtime_ns, stride=data.stride)
+    return record
+
+
+def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _read(path: Path) -> dict[str, Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as error:  # noqa: BLE001 - a damaged file can make the parser raise anything
+        raise UserError(f"cache file {path} cannot be read ({type(error).__name__}); delete it to recompute it") from None
+
+
+class FinetuneCache:
+    """The caches of one run: `latents(indices)` and `text(captions)` read them for a batch.
+
+    `vae_id` / `text_id` identify the VAE and the text encoders (`component_identity`); `spec` is
+    the adapter's `TextSpec` (its max_length and padding say how a batch pads states)."""
+
+    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec):
+        self.root, self.data, self.dataset, self.spec = Path(root), data, dataset, spec
+        self.vae_id, self.text_id = _digest(vae_id), _digest(text_id)
+
+    def latent_path(self, index: int) -> Path:
+        key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
+        return self.root / "latents" / f"{key}.safetensors"
+
+    def text_path(self, caption: str) -> Path:
+        key = _digest({"format": FORMAT, "caption": caption, "text": self.text_id})
+        return self.root / "text" / f"{key}.safetensors"
+
+    def missing(self, captions: list[str]) -> tuple[list[int], list[str]]:
+        """Clip indices and captions that have no cache file yet."""
+        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()]
+        return clips, [c for c in dict.fromkeys(captions) if not self.text_path(c).is_file()]
+
+    def fill(self, parts, device, quiet: bool, captions: list[str]) -> int:
+        """Encode what is missing with the folder's VAE and text encoders (`parts`); returns the number
+        of files written."""
+        from slidefusion.pretrained import encode_prompts
+        from slidefusion.vae import DiffusersVideoAutoencoder
+
+        clips, texts = self.missing(captions)
+        if clips:
+            vae = DiffusersVideoAutoencoder(parts.vae).to(device)
+            for i in tqdm(clips, desc="caching latents", disable=quiet, leave=False):
+                video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
+                _write(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT})
+        for caption in tqdm(texts, desc="caching text", disable=quiet, leave=False):
+            text = encode_prompts(parts, [caption])
+            _write(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption})
+        return len(clips) + len(texts)
+
+    def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
+        states = text.states[0]
+        if self.spec.padding == "zeros":  # keep the rows up to the last non-zero one
+            nonzero = states.abs().amax(dim=1).nonzero()
+            states = states[: int(nonzero.max()) + 1 if len(nonzero) else 1]
+        tensors = {"states": states.float()}
+        if text.mask is not None:
+            tensors["mask"] = text.mask[0].to(torch.uint8)
+        if text.pooled is not None:
+            tensors["pooled"] = text.pooled[0].float()
+        return tensors
+
+    def latents(self, indices: list[int]) -> Tensor:
+        """(B, C, T, H, W) float32."""
+        return torch.stack([_read(self.latent_path(i))["latents"] for i in indices])
+
+    def text(self, captions: list[str]) -> TextConditioning:
+        """The batch's conditioning, padded as the family's pipeline pads (zeros to max_length for Wan)."""
+        rows = [_read(self.text_path(c)) for c in captions]
+        length = max(r["states"].shape[0] for r in rows)
+        if self.spec.padding == "zeros":
+            length = max(length, self.spec.max_length)
+        states = torch.stack([torch.nn.functional.pad(r["states"], (0, 0, 0, length - r["states"].shape[0]))
+                              for r in rows])
+        mask = None
+        if "mask" in rows[0]:
+            mask = torch.stack([torch.nn.functional.pad(r["mask"], (0, length - r["mask"].shape[0])) for r in rows]).bool()
+        pooled = torch.stack([r["pooled"] for r in rows]) if "pooled" in rows[0] else None
+        return TextConditioning(states, mask, pooled)

@@ -1,0 +1,197 @@
+"""`FolderTask`: the trainer's task for `model.pretrained=DIR`, the transformer of a diffusers folder.
+
+In order, cheap checks first, so that a mistake costs seconds, not a cached dataset:
+  1. the folder (a pipeline folder of a supported class), the transformer built on the meta device,
+     the data sizes against the VAE and the patch, LoRA's target modules;
+  2. the caches: every clip's latents (the folder's VAE) and every caption's text states (the
+     folder's text encoders, through the family's own pipeline), computed once; the VAE and the
+     text encoders are freed before the transformer is loaded;
+  3. the transformer: resident (loaded shard by shard, float32) with torch AdamW, or with --offload
+     built on the meta device with its weights streamed from the shards straight into the engine's
+     host buffers (`OffloadEngine.load_weights`), never materialised twice.
+The loss is the family's own (`loss.FolderObjective`); checkpoints hold every weight, or with
+`lora.rank` the adapters only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slidefusion import memory
+from slidefusion.data import build_dataset
+from slidefusion.errors import UserError, check
+from slidefusion.offload.shapes import ModelShape
+from slidefusion.offload.training import offload_optimizer
+from slidefusion.training.finetune import lora as lora_lib
+from slidefusion.training.finetune.caches import FinetuneCache, component_identity
+from slidefusion.training.finetune.loss import FolderObjective
+from slidefusion.training.task import ResidentOptimizer, data_options, draw_batch
+
+log = logging.getLogger(__name__)
+RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
+
+
+def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
+    """What the offload planner needs of a diffusers transformer (built on meta is enough)."""
+    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in adapter.blocks(model))
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    hidden = heads * int(cfg.attention_head_dim)
+    ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
+    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention)
+
+
+def dataset_caption(dataset, index: int) -> str:
+    """A clip's caption without decoding its video where the dataset allows."""
+    if hasattr(dataset, "captions"):
+        return dataset.captions[index]
+    if hasattr(dataset, "scene"):
+        from slidefusion.data import caption
+
+        return caption(dataset.scene(index))
+    return dataset[index]["caption"]
+
+
+class FolderTask:
+    """See the module docstring. Steps 2 and 3 wait for `prepare()` (the trainer calls it once the run
+    goes ahead: after --resume checked its checkpoint), so bad input costs no cache. Attributes the
+    trainer reads then: `model`, `optimizer`."""
+
+    lazy = True
+
+    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
+        from slidefusion.pretrained import build_on_meta, folder_adapter, latent_shape, load_scheduler, open_folder
+        from slidefusion.pretrained.folder import read_json
+
+        self.config, self.device, cfg = config, device, config.model
+        self.folder = folder = open_folder(cfg.pretrained)
+        check(folder.is_pipeline, f"model.pretrained={cfg.pretrained} is a bare transformer folder; training needs a "
+                                  "pipeline folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
+        check(cfg.expert in folder.transformer_names, f"model.expert={cfg.expert} is not in {folder.root}; valid: "
+                                                      f"{', '.join(folder.transformer_names)}")
+        vae_config = read_json(folder.component_dir("vae") / "config.json", "VAE config")
+        self.adapter = adapter = folder_adapter(folder, vae_config, cfg.expert)
+        meta = build_on_meta(folder, cfg.expert)
+        folder.weight_entries(cfg.expert)  # every shard there, before anything is cached
+        data = config.data
+        try:
+            self.latent = latent_shape(adapter, meta, vae_config, data.frames, data.height, data.width)[1:]
+        except UserError as error:
+            raise UserError(f"data.frames/height/width: {error}") from None
+        self.tokens = adapter.tokens(meta, (1, *self.latent))
+        if config.lora.enabled:
+            lora_lib.add_lora(meta, config.lora, adapter.lora_targets)
+        expert = next(e for e in folder.experts() if e.name == cfg.expert)
+        ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
+        self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
+        if not config.offload.enabled:
+            params = sum(p.numel() for p in meta.parameters())
+            memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
+                              "training resident", "train with --offload, or use lora.rank")
+        self.dataset = build_dataset(**data_options(data))
+        self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
+        self.run_dir, self.quiet = run_dir, quiet
+        self.model, self.optimizer, self.cache = meta, None, None
+
+    def prepare(self) -> None:
+        """The caches, then the transformer and its optimizer (see the module docstring)."""
+        if self.optimizer is not None:
+            return
+        self.cache = self._cache(self.run_dir, self.quiet)
+        self.optimizer = self._offloaded() if self.config.offload.enabled else self._resident()
+
+    # ---------------------------------------------------------------- caches
+    def _cache(self, run_dir: Path, quiet: bool) -> FinetuneCache:
+        from slidefusion.pretrained import PretrainedParts
+
+        text = self.adapter.text
+        text_components = [*text.encoders, *text.tokenizers]
+        root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
+        cache = FinetuneCache(root, self.config.data, self.dataset, component_identity(self.folder, ["vae"]),
+                              component_identity(self.folder, text_components), text)
+        clips, texts = cache.missing([*self.captions, ""])
+        if clips or texts:
+            parts = PretrainedParts.load(self.folder, transformers=False)
+            written = cache.fill(parts, self.device, quiet, [*self.captions, ""])
+            del parts  # the VAE and text encoders go before the transformer comes
+            if not quiet:
+                print(f"cached {written} files under {root}")
+        return cache
+
+    # ---------------------------------------------------------------- the model
+    def _lora_init(self, model: nn.Module) -> dict:
+        return lora_lib.initial_lora_weights(model, self.config.run.seed) if self.config.lora.enabled else {}
+
+    def _resident(self) -> ResidentOptimizer:
+        from slidefusion.pretrained import load_transformer
+
+        model = load_transformer(self.folder, self.config.model.expert, torch.float32)
+        if self.config.lora.enabled:
+            lora_lib.add_lora(model, self.config.lora, self.adapter.lora_targets)
+            model.load_state_dict(self._lora_init(model), strict=False)
+        self.model = model.to(self.device).train()
+        return ResidentOptimizer(self.model, self.config.optim)
+
+    def _offloaded(self):
+        from slidefusion.pretrained import iter_weights
+
+        model = self.model
+        attention = "flash" if self.device.type == "cuda" else "dense"
+        engine = offload_optimizer(model, self.config, self.tokens, model_shape(model, self.adapter, attention))
+        names = lora_lib.folder_names(model)
+        skipped = []
+
+        def base():
+            for name, tensor in iter_weights(self.folder, self.config.model.expert):
+                if name in names:
+                    yield names[name], tensor
+                else:
+                    skipped.append(name)
+
+        engine.load_weights(itertools.chain(base(), self._lora_init(model).items()))
+        if skipped:
+            log.warning("skipped %d weight(s) the model does not have, e.g. %s", len(skipped), skipped[0])
+        model.train()
+        return engine
+
+    # ---------------------------------------------------------------- the trainer's seam
+    def loss_fn(self, generator: torch.Generator):
+        """The step's loss as a function of the model: cached latents and text of the drawn clips."""
+        run = self.config.run
+        indices, captions = draw_batch(self.dataset, run.batch_size, self.config.diffusion.caption_dropout, generator,
+                                       lambda i: self.captions[i])
+        latents = self.cache.latents(indices).to(self.device)
+        text = self.cache.text(captions)
+        text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
+                          None if text.pooled is None else text.pooled.to(self.device))
+
+        def loss(model: nn.Module) -> torch.Tensor:
+            return self.objective.loss(model, latents, text, generator)
+
+        return loss
+
+    def weights(self, state: dict) -> dict:
+        """Every weight, or LoRA's adapters only."""
+        if not self.config.lora.enabled:
+            return state
+        return {k: v for k, v in state.items() if lora_lib.is_lora_weight(k)}
+
+    def load_weights(self, weights: dict, source: Path) -> None:
+        if not self.config.lora.enabled:
+            self.model.load_state_dict(weights)
+            return
+        expected = set(self.weights(self.model.state_dict()))
+        if set(weights) != expected:
+            odd = sorted(set(weights) ^ expected)
+            raise UserError(f"--resume {source}: its LoRA weights do not fit this run's adapters (e.g. {odd[0]}); "
+                            "was it trained with other lora.rank or lora.target_modules?")
+        self.model.load_state_dict(weights, strict=False)
+
+    def after_save(self) -> None:
+        pass

@@ -275,6 +275,25 @@ def parse_caption(text: str) -> SceneDescription:
     return SceneDescription(objects=objects, background=background)
 
 
+_MOVING_RE = re.compile(r"\bmoving (\S+)")
+
+
+def with_other_direction(text: str, offset: int) -> str | None:
+    """`text` with every object's direction replaced by the one `offset` (1..7) places further in
+    DIRECTIONS, the rest of the caption unchanged, e.g. offset 1 turns "left" into "right"; None
+    when `text` names no direction of the vocabulary (an empty caption, a free-form prompt).
+
+    The negative caption of the direction contrast (`diffusion.direction_contrast`): the same
+    words, a different motion."""
+    check(isinstance(offset, int) and 1 <= offset < len(DIRECTIONS),
+          f"offset={offset!r} must be an int in 1..{len(DIRECTIONS) - 1}")
+    names = list(DIRECTIONS)
+    words = _MOVING_RE.findall(text)
+    if not words or any(w not in DIRECTIONS for w in words):
+        return None
+    return _MOVING_RE.sub(lambda m: "moving " + names[(names.index(m[1]) + offset) % len(names)], text)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rendering
 

@@ -249,3 +249,23 @@ def test_bad_start_is_a_user_error():
         MovingShapes(2, 2, 8, 8, start="late")
     with pytest.raises(UserError, match="clip="):
         sample_scene(np.random.default_rng(0), start="clear")
+
+
+def test_other_direction_changes_only_the_direction_words():
+    from slidefusion.data.shapes import DIRECTIONS, with_other_direction
+
+    text = "a red circle moving left quickly and an orange square moving down-right slowly on a gray background"
+    names = list(DIRECTIONS)
+    for offset in range(1, len(names)):
+        other = with_other_direction(text, offset)
+        scene = parse_caption(other)
+        assert [o.direction for o in scene.objects] == [names[(names.index(d) + offset) % len(names)]
+                                                         for d in ("left", "down-right")]
+        assert [(o.color, o.shape, o.speed) for o in scene.objects] == [("red", "circle", "quickly"),
+                                                                         ("orange", "square", "slowly")]
+        assert scene.background == "gray"
+    assert with_other_direction("a red circle moving left on a black background", 1) == \
+        "a red circle moving right on a black background"
+    assert with_other_direction("", 3) is None and with_other_direction("a cat moving sideways", 3) is None
+    with pytest.raises(UserError, match="offset=8 must be an int in 1..7"):
+        with_other_direction(text, 8)

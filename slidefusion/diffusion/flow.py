@@ -23,6 +23,7 @@ class FlowConfig:
     # the caption's direction changed to exceed the true caption's by `contrast_margin`; 0 is off.
     direction_contrast: float = 0.0
     contrast_margin: float = 0.01
+    contrast_min_t: float = 0.0  # the hinge only where t >= this: at low noise x_t itself shows the motion
 
     def __post_init__(self):
         check(self.logit_std > 0, f"diffusion.logit_std={self.logit_std} must be > 0")
@@ -30,6 +31,7 @@ class FlowConfig:
         check(0 <= self.direction_contrast <= 100,
               f"diffusion.direction_contrast={self.direction_contrast} must be in [0, 100] (0 is off)")
         check(0 < self.contrast_margin <= 10, f"diffusion.contrast_margin={self.contrast_margin} must be in (0, 10]")
+        check(0 <= self.contrast_min_t < 1, f"diffusion.contrast_min_t={self.contrast_min_t} must be in [0, 1)")
 
 
 def sample_timesteps(batch: int, config: FlowConfig, generator: torch.Generator) -> Tensor:
@@ -67,7 +69,7 @@ def contrastive_flow_loss(velocity: VelocityFn, x0: Tensor, has_negative: Tensor
     `velocity(x_t, t)` takes (2B, ...) inputs: rows 0..B-1 are the clips with their own captions,
     rows B..2B-1 the same x_t and t with negative captions (another direction). `has_negative` (B,)
     bool marks the rows that have one. The loss is the mean squared error of the first half plus
-    `direction_contrast` times the mean, over rows with a negative, of
+    `direction_contrast` times the mean, over rows with a negative and t >= `contrast_min_t`, of
     relu(contrast_margin - (error with the negative - error with the true caption)).
 
     Plain regression cannot teach the model to tell directions apart while its prediction does not
@@ -84,6 +86,6 @@ def contrastive_flow_loss(velocity: VelocityFn, x0: Tensor, has_negative: Tensor
     prediction = velocity(torch.cat([x_t, x_t]), torch.cat([t, t]).to(x0.device)).float()
     error = ((prediction - torch.cat([target, target])) ** 2).flatten(1).mean(1)
     true, negative = error[:batch], error[batch:]
-    mask = has_negative.to(error.device, torch.float32)
+    mask = (has_negative & (t >= config.contrast_min_t)).to(error.device, torch.float32)
     hinge = torch.relu(config.contrast_margin - (negative - true)) * mask
     return true.mean() + config.direction_contrast * hinge.sum() / mask.sum().clamp(min=1)

@@ -92,6 +92,10 @@ def test_direction_contrast_is_flow_loss_plus_the_hinge_on_rows_with_a_negative(
     got = contrastive_flow_loss(velocity, x0, torch.tensor([True, True, False]), config, torch.Generator().manual_seed(1))
     assert torch.allclose(got, expected)
     assert got > plain  # the hinge is active: the negatives are not yet worse by the margin
+    # Above every t drawn, no row is contrasted: the plain loss again.
+    late = FlowConfig(direction_contrast=2.0, contrast_margin=0.5, contrast_min_t=float(t.max()) + 1e-6)
+    rows = torch.tensor([True, True, True])
+    assert torch.allclose(contrastive_flow_loss(velocity, x0, rows, late, torch.Generator().manual_seed(1)), plain)
 
 
 def test_direction_contrast_settings_are_checked():
@@ -103,3 +107,5 @@ def test_direction_contrast_settings_are_checked():
         FlowConfig(direction_contrast=-1)
     with pytest.raises(UserError, match=r"diffusion.contrast_margin=0 must be in \(0, 10\]"):
         FlowConfig(contrast_margin=0)
+    with pytest.raises(UserError, match=r"diffusion.contrast_min_t=1 must be in \[0, 1\)"):
+        FlowConfig(contrast_min_t=1)

@@ -114,8 +114,10 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    out = Path(args.out)
-    _generate(None, args.prompt, [out.with_suffix(".mp4"), out.with_suffix(".gif")], args)
+    from slidefusion.demo import run_demo
+
+    run_demo(args.out, args.prompt, steps=args.steps, guidance=args.guidance, seed=args.seed, frames=args.frames,
+             height=args.height, width=args.width, device=args.device, progress=not args.quiet)
 
 
 def cmd_export(args) -> None:
@@ -203,10 +205,10 @@ def parser() -> ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace --out if it is an existing folder")
     export.set_defaults(func=cmd_export)
 
-    demo = sub.add_parser("demo", help="generate with the bundled model: OUT.mp4 and OUT.gif")
+    demo = sub.add_parser("demo", help="generate with the bundled model: OUT.mp4, OUT.gif and a labelled OUT-grid.gif")
     demo.add_argument("--prompt", type=types.text, default=DEFAULT_PROMPT)
     demo.add_argument("--out", type=types.output_file(), default="outputs/demo.mp4",
-                      help="OUT.mp4 and OUT.gif are written (default outputs/demo.mp4)")
+                      help="OUT.mp4, OUT.gif and OUT-grid.gif are written (default outputs/demo.mp4)")
     _sampling_options(demo)
     demo.set_defaults(func=cmd_demo)
     add_simulate_parser(sub)

@@ -11,7 +11,7 @@ with pixel centres at (i + 0.5); y grows downwards, so "up" is -y.
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Real
 from typing import Sequence
 
@@ -57,6 +57,10 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 SIZE_RANGE = (0.08, 0.15)  # sampled radius, fraction of the shorter side
 START_RANGE = (0.2, 0.8)  # sampled start centre, fraction of each side
 MIN_RADIUS_PX = 1.0  # keeps every shape at least ~2 px across, even in a 5x7 frame
+# Where a clip's objects start: "uniform" anywhere in START_RANGE (they may bounce off a wall
+# within the clip), "clear" with room ahead, so each moves the way its caption says for the whole
+# clip (if its path is longer than the frame, it starts at the wall behind it and bounces late).
+START_MODES = ("uniform", "clear")
 
 
 def _valid(name: str, value: str, vocabulary) -> None:
@@ -159,18 +163,47 @@ def _sample_object(rng: np.random.Generator, color: str) -> ShapeObject:
     )
 
 
+def _clear_start(u: float, d: float, travel: float, r: float, side: int) -> float:
+    """Start centre as a fraction of `side`, from u in START_RANGE, leaving `travel` pixels clear
+    ahead along an axis where the object moves by d (a unit-vector component) per step."""
+    lo, hi = START_RANGE
+    if d == 0:
+        return u
+    lo_px, hi_px = (r, side - r - travel) if d > 0 else (r + travel, side - r)
+    if lo_px > hi_px:  # the path is longer than the frame: start at the wall behind, bounce late
+        return (r if d > 0 else side - r) / side
+    return (lo_px + (u - lo) / (hi - lo) * (hi_px - lo_px)) / side
+
+
+def with_clear_path(obj: ShapeObject, frames: int, height: int, width: int) -> ShapeObject:
+    """`obj` moved (same caption, same size) so that its first bounce comes after `frames` frames."""
+    r = radius_px(obj, height, width)
+    travel = SPEEDS[obj.speed] * min(height, width) * (frames - 1)  # pixels along the direction
+    dy, dx = DIRECTIONS[obj.direction]
+    return replace(obj, start_y=_clear_start(obj.start_y, dy, abs(dy) * travel, r, height),
+                   start_x=_clear_start(obj.start_x, dx, abs(dx) * travel, r, width))
+
+
 def sample_scene(
-    rng: np.random.Generator, max_objects: int = 2, backgrounds: Sequence[str] | None = None
+    rng: np.random.Generator, max_objects: int = 2, backgrounds: Sequence[str] | None = None,
+    start: str = "uniform", clip: tuple[int, int, int] | None = None,
 ) -> ShapeScene:
     """A random scene with 1..max_objects objects of pairwise different colours.
 
     Colours differ so that a caption names each object unambiguously and a colour mask finds it.
+    `start` is one of START_MODES; "clear" needs `clip` = (frames, height, width) of the video the
+    scene will be rendered at. The random draws are the same in both modes, so one seed gives the
+    same captions and sizes either way; only start positions differ.
     """
     _check_max_objects(max_objects)
     allowed = _check_backgrounds(backgrounds)
+    _valid("start", start, START_MODES)
+    check(start == "uniform" or clip is not None, "start='clear' needs clip=(frames, height, width)")
     count = int(rng.integers(1, max_objects + 1))
     colors = rng.choice(len(COLORS), size=count, replace=False)
     objects = tuple(_sample_object(rng, list(COLORS)[c]) for c in colors)
+    if start == "clear":
+        objects = tuple(with_clear_path(o, *clip) for o in objects)
     return ShapeScene(objects=objects, background=allowed[rng.integers(len(allowed))])
 
 
@@ -240,6 +273,25 @@ def parse_caption(text: str) -> SceneDescription:
     background = _parse_word("background", background, BACKGROUNDS, text)
     objects = tuple(_parse_object(p, text) for p in phrases.split(" and "))
     return SceneDescription(objects=objects, background=background)
+
+
+_MOVING_RE = re.compile(r"\bmoving (\S+)")
+
+
+def with_other_direction(text: str, offset: int) -> str | None:
+    """`text` with every object's direction replaced by the one `offset` (1..7) places further in
+    DIRECTIONS, the rest of the caption unchanged, e.g. offset 1 turns "left" into "right"; None
+    when `text` names no direction of the vocabulary (an empty caption, a free-form prompt).
+
+    The negative caption of the direction contrast (`diffusion.direction_contrast`): the same
+    words, a different motion."""
+    check(isinstance(offset, int) and 1 <= offset < len(DIRECTIONS),
+          f"offset={offset!r} must be an int in 1..{len(DIRECTIONS) - 1}")
+    names = list(DIRECTIONS)
+    words = _MOVING_RE.findall(text)
+    if not words or any(w not in DIRECTIONS for w in words):
+        return None
+    return _MOVING_RE.sub(lambda m: "moving " + names[(names.index(m[1]) + offset) % len(names)], text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +379,9 @@ def render(scene: ShapeScene, frames: int, height: int, width: int, antialias: b
 class MovingShapes(Dataset):
     """`num_samples` captioned clips of moving shapes, each a pure function of (seed, index).
 
+    `start` (START_MODES) says where objects start: "uniform" (they may bounce within the clip) or
+    "clear" (room ahead for the whole clip).
+
     Item i is {"video": float32 (3, frames, height, width) in [-1, 1], "caption": str}. Because
     every item seeds its own generator from (seed, i), items are identical in any worker, any order.
     """
@@ -340,6 +395,7 @@ class MovingShapes(Dataset):
         seed: int = 0,
         max_objects: int = 2,
         backgrounds: Sequence[str] | None = None,
+        start: str = "uniform",
     ):
         check(_is_int(num_samples) and num_samples >= 1,
               f"num_samples must be an int >= 1, got {num_samples!r}")
@@ -349,6 +405,8 @@ class MovingShapes(Dataset):
         self.num_samples, self.frames, self.height, self.width = num_samples, frames, height, width
         self.seed, self.max_objects = int(seed), max_objects
         self.backgrounds = _check_backgrounds(backgrounds)
+        _valid("start", start, START_MODES)
+        self.start = start
 
     def __len__(self) -> int:
         return self.num_samples
@@ -361,7 +419,7 @@ class MovingShapes(Dataset):
     def scene(self, i: int) -> ShapeScene:
         """The scene behind item i."""
         rng = np.random.default_rng([self.seed, self._index(i)])
-        return sample_scene(rng, self.max_objects, self.backgrounds)
+        return sample_scene(rng, self.max_objects, self.backgrounds, self.start, (self.frames, self.height, self.width))
 
     def __getitem__(self, i: int) -> dict:
         scene = self.scene(i)

@@ -19,10 +19,19 @@ class FlowConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     caption_dropout: float = 0.1  # the fraction of captions replaced by "" so CFG has an unconditional model
+    # The direction contrast (`contrastive_flow_loss`): weight of the hinge that asks the loss with
+    # the caption's direction changed to exceed the true caption's by `contrast_margin`; 0 is off.
+    direction_contrast: float = 0.0
+    contrast_margin: float = 0.01
+    contrast_min_t: float = 0.0  # the hinge only where t >= this: at low noise x_t itself shows the motion
 
     def __post_init__(self):
         check(self.logit_std > 0, f"diffusion.logit_std={self.logit_std} must be > 0")
         check(0 <= self.caption_dropout < 1, f"diffusion.caption_dropout={self.caption_dropout} must be in [0, 1)")
+        check(0 <= self.direction_contrast <= 100,
+              f"diffusion.direction_contrast={self.direction_contrast} must be in [0, 100] (0 is off)")
+        check(0 < self.contrast_margin <= 10, f"diffusion.contrast_margin={self.contrast_margin} must be in (0, 10]")
+        check(0 <= self.contrast_min_t < 1, f"diffusion.contrast_min_t={self.contrast_min_t} must be in [0, 1)")
 
 
 def sample_timesteps(batch: int, config: FlowConfig, generator: torch.Generator) -> Tensor:
@@ -51,3 +60,32 @@ def flow_loss(velocity: VelocityFn, x0: Tensor, config: FlowConfig, generator: t
     target = noise - x0
     prediction = velocity(interpolate(x0, noise, t), t.to(x0.device))
     return torch.mean((prediction.float() - target.float()) ** 2)
+
+
+def contrastive_flow_loss(velocity: VelocityFn, x0: Tensor, has_negative: Tensor, config: FlowConfig,
+                          generator: torch.Generator) -> Tensor:
+    """`flow_loss` plus the direction contrast, from one forward pass over twice the batch.
+
+    `velocity(x_t, t)` takes (2B, ...) inputs: rows 0..B-1 are the clips with their own captions,
+    rows B..2B-1 the same x_t and t with negative captions (another direction). `has_negative` (B,)
+    bool marks the rows that have one. The loss is the mean squared error of the first half plus
+    `direction_contrast` times the mean, over rows with a negative and t >= `contrast_min_t`, of
+    relu(contrast_margin - (error with the negative - error with the true caption)).
+
+    Plain regression cannot teach the model to tell directions apart while its prediction does not
+    yet depend on them (docs/demo-model.md, probe 6); the hinge's gradient is the difference of the
+    two captions' predictions, so it acts on exactly that. An ideal denoiser meets the default
+    margin at every t below ~0.95, so the hinge does not pull away from the regression's optimum.
+    Draws t and noise as `flow_loss` does, so without negatives the two are the same loss.
+    """
+    batch = x0.shape[0]
+    t = sample_timesteps(batch, config, generator)
+    noise = torch.randn(x0.shape, generator=generator).to(x0)
+    target = (noise - x0).float()
+    x_t = interpolate(x0, noise, t)
+    prediction = velocity(torch.cat([x_t, x_t]), torch.cat([t, t]).to(x0.device)).float()
+    error = ((prediction - torch.cat([target, target])) ** 2).flatten(1).mean(1)
+    true, negative = error[:batch], error[batch:]
+    mask = (has_negative & (t >= config.contrast_min_t)).to(error.device, torch.float32)
+    hinge = torch.relu(config.contrast_margin - (negative - true)) * mask
+    return true.mean() + config.direction_contrast * hinge.sum() / mask.sum().clamp(min=1)

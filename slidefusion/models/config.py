@@ -17,6 +17,9 @@ class ModelConfig:
     `depth` counts blocks for `dit3d`, and (spatial, temporal) block pairs for `stdit`.
     `attention` names the self-attention operator from the registry; for `stdit` it is used inside
     each frame, and time always uses dense attention.
+    `pooled_text` adds the masked mean of the text states, through an MLP, to the timestep
+    embedding that drives every adaLN (SD3's and Flux's pooled text next to cross-attention), so
+    each token sees the whole prompt directly; off by default, which is the model without it.
     """
 
     arch: str = "dit3d"
@@ -29,6 +32,7 @@ class ModelConfig:
     text_dim: int = 384
     attention: str = "dense"
     attention_options: dict = field(default_factory=dict)
+    pooled_text: bool = False
 
     def __post_init__(self):
         self.patch_size = tuple(self.patch_size)
@@ -40,6 +44,7 @@ class ModelConfig:
         for name, most in LIMITS.items():
             value = getattr(self, name)
             check(isinstance(value, int) and 1 <= value <= most, f"model.{name}={value!r} must be an int in 1..{most}")
+        check(isinstance(self.pooled_text, bool), f"model.pooled_text={self.pooled_text!r} must be true or false")
         check(0 < self.mlp_ratio <= 64, f"model.mlp_ratio={self.mlp_ratio} must be in (0, 64]")
         check(
             self.hidden % self.heads == 0,

@@ -13,7 +13,15 @@ from slidefusion.attention import DenseAttention3d, build_attention
 from slidefusion.attention.tiling import TileRule
 from slidefusion.errors import UserError
 from slidefusion.models.config import ModelConfig
-from slidefusion.models.layers import DiTBlock, FinalLayer, TextProjection, TimestepEmbedder, sincos_3d, unpatchify
+from slidefusion.models.layers import (
+    DiTBlock,
+    FinalLayer,
+    PooledTextEmbedder,
+    TextProjection,
+    TimestepEmbedder,
+    sincos_3d,
+    unpatchify,
+)
 
 
 class VideoDiT(nn.Module):
@@ -26,6 +34,8 @@ class VideoDiT(nn.Module):
         self.patch_embed = nn.Conv3d(config.in_channels, c, kernel_size=config.patch_size, stride=config.patch_size)
         self.t_embedder = TimestepEmbedder(c)
         self.text_proj = TextProjection(config.text_dim, c)
+        if config.pooled_text:  # only then: a model without it keeps exactly its old parameter names
+            self.text_pool = PooledTextEmbedder(config.text_dim, c)
         self.blocks = nn.ModuleList(self.build_blocks(config))
         self.final = FinalLayer(c, config.in_channels * config.patch_size[0] * config.patch_size[1] * config.patch_size[2])
 
@@ -43,12 +53,16 @@ class VideoDiT(nn.Module):
             grid.append(size // patch)
         return tuple(grid)
 
-    def embed(self, x: Tensor, t: Tensor, context: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def embed(self, x: Tensor, t: Tensor, context: Tensor,
+              context_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Tokens (B, T', H', W', C), conditioning (B, C) and projected text (B, L, C)."""
         grid = self.token_grid(x.shape)
         tokens = self.patch_embed(x).permute(0, 2, 3, 4, 1)  # (B, T', H', W', C)
         tokens = tokens + sincos_3d(grid, self.config.hidden).to(tokens)
-        return tokens, self.t_embedder(t), self.text_proj(context)
+        c = self.t_embedder(t)  # (B, C)
+        if self.config.pooled_text:
+            c = c + self.text_pool(context, context_mask)
+        return tokens, c, self.text_proj(context)
 
     def head(self, tokens: Tensor, c: Tensor) -> Tensor:
         """Tokens (B, T', H', W', C) -> velocity (B, C_in, T, H, W)."""
@@ -57,7 +71,7 @@ class VideoDiT(nn.Module):
     def forward(self, x: Tensor, t: Tensor, context: Tensor, context_mask: Tensor | None = None) -> Tensor:
         """x (B, C, T, H, W) latents at flow time t (B,) in [0, 1]; context (B, L, text_dim) text
         states with mask (B, L), True on real tokens. Returns the velocity (B, C, T, H, W)."""
-        tokens, c, context = self.embed(x, t, context)
+        tokens, c, context = self.embed(x, t, context, context_mask)
         for block in self.blocks:
             tokens = block(tokens, c, context, context_mask)  # (B, T', H', W', C)
         return self.head(tokens, c)

@@ -63,6 +63,27 @@ class TextProjection(nn.Module):
         return self.mlp(context)
 
 
+class PooledTextEmbedder(nn.Module):
+    """Text states (B, L, text_dim) -> one conditioning vector (B, hidden): the mean over real
+    tokens through an MLP whose last layer starts at zero, so adding it changes nothing at first
+    (a checkpoint without it loads into a model with it and behaves the same)."""
+
+    def __init__(self, text_dim: int, hidden: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(text_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        nn.init.zeros_(self.mlp[2].weight)
+        nn.init.zeros_(self.mlp[2].bias)
+
+    def forward(self, context: Tensor, mask: Tensor | None = None) -> Tensor:
+        """`mask` (B, L) is True on real tokens; without it, tokens whose states are all zero are
+        padding (`TextEncoder.encode` and the caption cache zero the padding)."""
+        if mask is None:
+            mask = context.ne(0).any(-1)  # (B, L)
+        weight = mask.to(context.dtype)[..., None]  # (B, L, 1)
+        pooled = (context * weight).sum(1) / weight.sum(1).clamp(min=1.0)  # (B, text_dim)
+        return self.mlp(pooled)  # (B, hidden)
+
+
 class Mlp(nn.Module):
     def __init__(self, dim: int, ratio: float):
         super().__init__()

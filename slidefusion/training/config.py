@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from slidefusion import validate
+from slidefusion.data.shapes import START_MODES
 from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
@@ -34,6 +35,7 @@ class DataConfig:
     num_samples: int = 100_000  # distinct procedural clips; the folder's own size for "folder"
     seed: int = 0
     max_objects: int = 1
+    start: str = "uniform"  # shapes: "uniform" (objects may bounce within a clip) or "clear" (room ahead)
     root: str | None = None  # the video folder, for kind="folder"
     stride: int = 1  # frame stride when reading real videos
     fps: int = 8  # playback rate of exported videos
@@ -45,6 +47,7 @@ class DataConfig:
             check(value >= 1, f"data.{name}={value} must be >= 1")
         check(self.fps <= 1000, f"data.fps={self.fps} must be <= 1000 (the playback rate of exported videos)")
         check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
+        check(self.start in START_MODES, f"data.start={self.start!r} is unknown; valid: {', '.join(START_MODES)}")
         check(self.kind != "folder" or self.root, "data.root must name the video folder when data.kind=folder")
 
 

@@ -16,7 +16,8 @@ from torch import nn
 
 from slidefusion import memory
 from slidefusion.data import build_dataset
-from slidefusion.diffusion import flow_loss
+from slidefusion.data.shapes import DIRECTIONS, with_other_direction
+from slidefusion.diffusion import contrastive_flow_loss, flow_loss
 from slidefusion.errors import UserError
 from slidefusion.models import build_model
 from slidefusion.offload.training import offload_optimizer
@@ -62,7 +63,8 @@ def data_options(data) -> dict:
     """The dataset's constructor arguments from a `DataConfig`."""
     options = dict(kind=data.kind, frames=data.frames, height=data.height, width=data.width)
     if data.kind == "shapes":
-        options.update(num_samples=data.num_samples, seed=data.seed, max_objects=data.max_objects)
+        options.update(num_samples=data.num_samples, seed=data.seed, max_objects=data.max_objects,
+                       start=data.start)
     else:
         options.update(root=data.root, stride=data.stride)
     return options
@@ -87,6 +89,16 @@ def draw_batch(dataset, size: int, caption_dropout: float, generator: torch.Gene
     return indices, ["" if d else caption_of(i) for d, i in zip(drop.tolist(), indices)]
 
 
+def with_negatives(captions: list[str], generator: torch.Generator) -> tuple[list[str], torch.Tensor]:
+    """`captions` followed by one negative each (every direction turned by the same random offset,
+    `with_other_direction`), and the (B,) bool mask of the captions that have one; a caption
+    without a direction (a dropped one) is its own placeholder, outside the mask."""
+    offsets = torch.randint(1, len(DIRECTIONS), (len(captions),), generator=generator).tolist()
+    negatives = [with_other_direction(c, o) for c, o in zip(captions, offsets)]
+    has_negative = torch.tensor([n is not None for n in negatives])
+    return captions + [c if n is None else n for c, n in zip(captions, negatives)], has_negative
+
+
 class OwnModelTask:
     """One of our presets trained by rectified flow, text from `config.text_encoder` (captions cached
     per run), latents from `config.autoencoder`."""
@@ -100,7 +112,8 @@ class OwnModelTask:
             raise UserError(f"model.in_channels={config.model.in_channels} must equal the autoencoder's latent channels {latent[0]}")
         offload = config.offload.enabled  # the engine places the weights itself (and checks their fit)
         parts = memory.training_parts(config.model, latent, (data.frames, data.height, data.width),
-                                      config.run.batch_size, ema=config.optim.ema_decay is not None, offload=offload)
+                                      config.run.batch_size * (2 if config.diffusion.direction_contrast > 0 else 1),
+                                      ema=config.optim.ema_decay is not None, offload=offload)
         memory.check_fits(parts, device, "a training step", "lower run.batch_size, data.frames, data.height "
                           "or data.width, or choose a smaller model" + ("" if offload else ", or train with --offload"))
         self.dataset = dataset_of(data)
@@ -123,12 +136,17 @@ class OwnModelTask:
         video, captions = self.batch(generator)
         with torch.no_grad():
             latents = self.autoencoder.encode(video.to(self.device))
+        diffusion = self.config.diffusion
+        if diffusion.direction_contrast > 0:
+            captions, has_negative = with_negatives(captions, generator)
         states, mask = self.captions.get(captions)
         states, mask = states.to(self.device), mask.to(self.device)
 
         def loss(model: nn.Module) -> torch.Tensor:
             velocity = lambda x, t: model(x, t, states, mask)  # noqa: E731
-            return flow_loss(velocity, latents, self.config.diffusion, generator)
+            if diffusion.direction_contrast > 0:
+                return contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator)
+            return flow_loss(velocity, latents, diffusion, generator)
 
         return loss
 

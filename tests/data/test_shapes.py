@@ -211,3 +211,61 @@ def test_build_dataset():
         build_dataset("imagenet")
     with pytest.raises(UserError, match="valid arguments: num_samples"):
         build_dataset("shapes", num_samples=2, frames=2, height=8, width=8, fps=3)
+
+
+@pytest.mark.parametrize("frames, height, width", [(8, 32, 32), (5, 17, 40)])
+def test_clear_start_keeps_captions_and_never_bounces_within_the_clip(frames, height, width):
+    uniform = MovingShapes(300, frames, height, width, seed=3, max_objects=2)
+    clear = MovingShapes(300, frames, height, width, seed=3, max_objects=2, start="clear")
+    bounced = 0
+    for i in range(300):
+        assert uniform[i]["caption"] == clear[i]["caption"]  # same draws: only start positions move
+        for before, obj in zip(uniform.scene(i).objects, clear.scene(i).objects):
+            assert obj.size == before.size
+            unit = np.array(DIRECTIONS[obj.direction])
+            progress = np.diff(object_centers(obj, frames, height, width), axis=0) @ unit  # px per frame
+            speed = np.diff(object_centers(obj, 2, height, width), axis=0) @ unit
+            assert np.allclose(progress, speed), (obj, progress)  # straight on, all frames
+            old = np.diff(object_centers(before, frames, height, width), axis=0) @ unit
+            bounced += not np.allclose(old, old[0])
+    assert bounced > 10  # the uniform starts do bounce, so the check above had work to do
+
+
+def test_clear_start_on_a_path_longer_than_the_frame_starts_at_the_wall_behind():
+    data = MovingShapes(200, 32, 32, 32, seed=0, max_objects=1, start="clear")
+    for i in range(200):
+        obj = data.scene(i).objects[0]
+        if obj.speed == "quickly" and obj.direction == "right":  # 1.6 px x 31 frames > 32 px
+            centres = object_centers(obj, 32, 32, 32)
+            assert centres[0, 1] == pytest.approx(radius_px(obj, 32, 32))
+            assert (np.diff(centres[:10, 1]) > 0).all()
+            break
+    else:
+        pytest.fail("no quick rightward clip among 200")
+
+
+def test_bad_start_is_a_user_error():
+    with pytest.raises(UserError, match="start='late' is unknown; valid: uniform, clear"):
+        MovingShapes(2, 2, 8, 8, start="late")
+    with pytest.raises(UserError, match="clip="):
+        sample_scene(np.random.default_rng(0), start="clear")
+
+
+def test_other_direction_changes_only_the_direction_words():
+    from slidefusion.data.shapes import DIRECTIONS, with_other_direction
+
+    text = "a red circle moving left quickly and an orange square moving down-right slowly on a gray background"
+    names = list(DIRECTIONS)
+    for offset in range(1, len(names)):
+        other = with_other_direction(text, offset)
+        scene = parse_caption(other)
+        assert [o.direction for o in scene.objects] == [names[(names.index(d) + offset) % len(names)]
+                                                         for d in ("left", "down-right")]
+        assert [(o.color, o.shape, o.speed) for o in scene.objects] == [("red", "circle", "quickly"),
+                                                                         ("orange", "square", "slowly")]
+        assert scene.background == "gray"
+    assert with_other_direction("a red circle moving left on a black background", 1) == \
+        "a red circle moving right on a black background"
+    assert with_other_direction("", 3) is None and with_other_direction("a cat moving sideways", 3) is None
+    with pytest.raises(UserError, match="offset=8 must be an int in 1..7"):
+        with_other_direction(text, 8)

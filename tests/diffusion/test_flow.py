@@ -65,3 +65,47 @@ def test_same_seed_same_video_bit_for_bit():
     a, b = run(7), run(7)
     assert torch.equal(a, b)
     assert not torch.equal(a, run(8))
+
+
+def test_direction_contrast_is_flow_loss_plus_the_hinge_on_rows_with_a_negative():
+    from slidefusion.diffusion import contrastive_flow_loss
+
+    x0 = torch.randn(3, 3, 2, 4, 4)
+    config = FlowConfig(direction_contrast=2.0, contrast_margin=0.5)
+    # The "model" reads the caption half from the batch row: rows 3..5 (negatives) predict worse by 0.25 on row 3.
+    offsets = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.0, 0.0]).view(-1, 1, 1, 1, 1)
+    velocity = lambda x, t: x * 0.5 + t.view(-1, 1, 1, 1, 1) + offsets  # noqa: E731
+    plain = flow_loss(lambda x, t: x * 0.5 + t.view(-1, 1, 1, 1, 1), x0, config, torch.Generator().manual_seed(1))
+    none = torch.zeros(3, dtype=torch.bool)
+    assert torch.allclose(contrastive_flow_loss(velocity, x0, none, config, torch.Generator().manual_seed(1)), plain)
+    # Rows 0 and 1 have negatives: row 0's negative errs by a constant 0.5 more (0.25 added to its
+    # mean squared error plus the cross term), row 1's not at all, so its hinge is the whole margin.
+    g = torch.Generator().manual_seed(1)
+    t = sample_timesteps(3, config, g)
+    noise = torch.randn(x0.shape, generator=g)
+    x_t, target = interpolate(x0, noise, t), noise - x0
+    base = x_t * 0.5 + t.view(-1, 1, 1, 1, 1)
+    true = ((base - target) ** 2).flatten(1).mean(1)
+    shifted = ((base + 0.5 - target) ** 2).flatten(1).mean(1)
+    hinge = torch.relu(0.5 - (shifted[0] - true[0])) + 0.5
+    expected = true.mean() + 2.0 * hinge / 2
+    got = contrastive_flow_loss(velocity, x0, torch.tensor([True, True, False]), config, torch.Generator().manual_seed(1))
+    assert torch.allclose(got, expected)
+    assert got > plain  # the hinge is active: the negatives are not yet worse by the margin
+    # Above every t drawn, no row is contrasted: the plain loss again.
+    late = FlowConfig(direction_contrast=2.0, contrast_margin=0.5, contrast_min_t=float(t.max()) + 1e-6)
+    rows = torch.tensor([True, True, True])
+    assert torch.allclose(contrastive_flow_loss(velocity, x0, rows, late, torch.Generator().manual_seed(1)), plain)
+
+
+def test_direction_contrast_settings_are_checked():
+    import pytest
+
+    from slidefusion.errors import UserError
+
+    with pytest.raises(UserError, match=r"diffusion.direction_contrast=-1 must be in \[0, 100\]"):
+        FlowConfig(direction_contrast=-1)
+    with pytest.raises(UserError, match=r"diffusion.contrast_margin=0 must be in \(0, 10\]"):
+        FlowConfig(contrast_margin=0)
+    with pytest.raises(UserError, match=r"diffusion.contrast_min_t=1 must be in \[0, 1\)"):
+        FlowConfig(contrast_min_t=1)

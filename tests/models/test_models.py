@@ -111,3 +111,38 @@ def test_sincos_positions_distinguish_every_token():
     assert pos.shape == (105, 48)
     assert torch.cdist(pos, pos).add(torch.eye(105) * 10).min() > 1e-3
     assert set(PRESETS) >= {"dit3d-tiny", "stdit-tiny", "dit3d-1b", "dit3d-28b", "dit3d-105b"}
+
+
+def test_pooled_text_is_off_by_default_and_starts_as_the_model_without_it():
+    plain = preset("dit3d-tiny")
+    assert not plain.pooled_text and not any("text_pool" in k for k in build_model(plain).state_dict())
+    pooled = preset("dit3d-tiny", pooled_text=True)
+    base = _perturb(build_model(plain))
+    model = build_model(pooled)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("text_pool.") for k in missing)
+    x, t, context, mask = _inputs(pooled, (2, 4, 4))
+    torch.testing.assert_close(model(x, t, context, mask), base(x, t, context, mask))  # zero-init last layer
+    _perturb(model.text_pool)
+    assert not torch.allclose(model(x, t, context, mask), base(x, t, context, mask))
+
+
+@pytest.mark.parametrize("name", ["dit3d-tiny", "stdit-tiny"])
+def test_pooled_text_reads_only_real_tokens_and_infers_padding_without_a_mask(name):
+    config = preset(name, pooled_text=True)
+    model = _perturb(build_model(config))
+    x, t, context, mask = _inputs(config, (2, 4, 4))
+    context[1, 3:] = 0.0  # padding is zero, as the text encoders return it
+    out = model(x, t, context, mask)
+    _, c, _ = model.embed(x, t, context, mask)
+    torch.testing.assert_close(model.embed(x, t, context)[1], c)  # without a mask: padding found from the zeros
+    shorter = model(x[1:], t[1:], context[1:, :3], mask[1:, :3])
+    torch.testing.assert_close(shorter, out[1:], rtol=1e-4, atol=1e-4)  # padding length does not matter
+    changed = context.clone()
+    changed[1, 0] += 1.0
+    assert not torch.allclose(model.embed(x, t, changed, mask)[1][1], c[1])  # a real token matters
+
+
+def test_pooled_text_must_be_a_bool():
+    with pytest.raises(UserError, match="model.pooled_text='yes' must be true or false"):
+        preset("dit3d-tiny", pooled_text="yes")

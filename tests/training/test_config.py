@@ -53,6 +53,15 @@ def test_shipped_configs_load():
         load_config(path)
 
 
+def test_data_start_and_pooled_text_defaults_keep_the_old_behaviour():
+    config = load_config(None)
+    assert config.data.start == "uniform" and config.model.pooled_text is False
+    config = load_config(None, ["data.start=clear", "model.pooled_text=true"])
+    assert config.data.start == "clear" and config.model.pooled_text is True
+    with pytest.raises(UserError, match="data.start='late' is unknown; valid: uniform, clear"):
+        load_config(None, ["data.start=late"])
+
+
 def test_every_float_key_is_finite_even_a_new_one():
     from dataclasses import dataclass, field
 

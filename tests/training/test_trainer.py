@@ -55,3 +55,18 @@ def test_latent_channels_must_match_the_model(tmp_path):
 
     with pytest.raises(UserError, match="model.in_channels=4 must equal the autoencoder's latent channels 3"):
         Trainer(_config(tmp_path, "model.in_channels=4"), quiet=True)
+
+
+def test_direction_contrast_runs_the_model_on_each_caption_and_its_negative(tmp_path):
+    from slidefusion.training.task import with_negatives
+
+    captions, has = with_negatives(["a red circle moving up quickly on a black background", ""],
+                                   torch.Generator().manual_seed(0))
+    assert has.tolist() == [True, False] and captions[1] == captions[3] == ""
+    assert "moving up " not in captions[2] and captions[2].replace(captions[2].split()[4], "up") == captions[0]
+    seen = []
+    trainer = Trainer(_config(tmp_path, "run.steps=2", "diffusion.direction_contrast=1.0",
+                              "diffusion.caption_dropout=0"), quiet=True)
+    trainer.model.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    losses = trainer.train().losses
+    assert seen == [4, 4] and all(loss == loss for loss in losses)  # 2 clips + 2 negatives per step, finite

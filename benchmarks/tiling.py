@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--frames", type=int, nargs="+", default=[8, 16, 32, 64], help="latent frames per clip")
     p.add_argument("--size", type=int, default=32, help="latent height and width (dit3d-small patches by 4)")
     p.add_argument("--tile", type=int, default=4, help="frames per tile")
+    p.add_argument("--depth", type=int, default=6, help="blocks (dit3d-small has 6; more blocks, more checkpoints)")
     p.add_argument("--kernel", type=int, nargs=3, default=[3, 3, 3], help="slide attention window (kt kh kw)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per child (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds of every (mode, length)")
@@ -96,7 +97,8 @@ def run_child(spec: dict) -> dict:
     from slidefusion.optim import OptimConfig
 
     torch.manual_seed(0)
-    config = preset("dit3d-small", attention="slide", attention_options={"kernel_size": tuple(spec["kernel"])})
+    config = preset("dit3d-small", attention="slide", attention_options={"kernel_size": tuple(spec["kernel"])},
+                    depth=spec["depth"])
     model = build_model(config)
     device = torch.device(spec["device"])
     optim = OptimConfig(lr=1e-4, max_grad_norm=None, warmup_steps=0, ema_decay=None)
@@ -139,6 +141,7 @@ def run_child(spec: dict) -> dict:
 
 def _child(args, mode: str, frames: int, spill_dir: str) -> dict:
     spec = {"mode": mode, "frames": frames, "size": args.size, "tile": args.tile, "steps": args.steps, "kernel": args.kernel,
+            "depth": args.depth,
             "spill_dir": spill_dir, "device": args.device}
     # buffers over 64 KiB are mmapped, so a freed one goes back to the kernel at once and VmHWM is
     # the live peak, not whatever glibc's heap kept from an earlier step

@@ -50,7 +50,6 @@ from slidefusion.data.shapes import (  # noqa: E402
     SIZE_RANGE,
     START_RANGE,
     MovingShapes,
-    ShapeObject,
     ShapeScene,
     caption,
     object_centers,

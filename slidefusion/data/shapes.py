@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 from numbers import Real
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from torch.utils.data import Dataset

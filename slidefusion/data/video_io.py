@@ -9,7 +9,7 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import imageio.v2 as imageio
 import numpy as np

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from slidefusion import validate
-from slidefusion.errors import UserError
 
 
 def parse_bytes(text: str | float, name: str) -> int:

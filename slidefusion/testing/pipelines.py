@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from slidefusion.testing.tiny import TEXT_DIM, tiny_model, tiny_tokenizer, tiny_umt5, tiny_wan_pipeline
+from slidefusion.testing.tiny import TEXT_DIM, tiny_model, tiny_tokenizer, tiny_wan_pipeline
 
 FAMILIES = ("wan", "cogvideox", "hunyuanvideo", "ltx", "mochi", "latte")
 PIXELS = {"wan": (5, 48, 80), "cogvideox": (9, 32, 48), "hunyuanvideo": (5, 32, 48), "ltx": (5, 32, 64),

@@ -307,8 +307,8 @@ def _first_difference(saved, config) -> str:
         a, b = getattr(saved, section), getattr(config, section)
         if type(a) is not type(b):
             return f"{section}: {type(a).__name__} in the checkpoint, {type(b).__name__} here"
-        for field in dataclasses.fields(a):
-            old, new = getattr(a, field.name), getattr(b, field.name)
+        for key in dataclasses.fields(a):
+            old, new = getattr(a, key.name), getattr(b, key.name)
             if old != new:
-                return f"{section}.{field.name}: {old!r} in the checkpoint, {new!r} here"
+                return f"{section}.{key.name}: {old!r} in the checkpoint, {new!r} here"
     return "model"

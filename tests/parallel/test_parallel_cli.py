@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from slidefusion.cli import main

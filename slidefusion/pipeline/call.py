@@ -9,7 +9,7 @@
 output_type "np" (B, F, H, W, 3) numpy, "pt" (B, F, 3, H, W) tensor, both in [0, 1], or "latent".
 Our older names (`frames`, `steps`, `guidance`) are accepted too. A subclass provides
 `sample_latents(prompts, negatives, noise_fn, frames, height, width, steps, guidance, progress)`,
-`decode_batch(latents)`, `default_sizes()` and `to(device)`.
+`decode_batch(latents)`, `default_sizes()` and `to(device)`; `decode` and `seeded_noise` come with it.
 """
 
 from __future__ import annotations
@@ -109,6 +109,18 @@ class DiffusersCall:
     def draw_noise(self, shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor:
         """Initial noise of `shape` (B, C, T, H, W), float32 on the CPU."""
         return torch.randn(shape, generator=generator)
+
+    def seeded_noise(self, prompts: list[str], seeds: list[int]) -> NoiseFn:
+        """The noise of `latents_batch`: video i starts from the noise of seed `seeds[i]` alone."""
+        check(len(prompts) == len(seeds) and len(prompts) > 0,
+              f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
+        generators = [torch.Generator().manual_seed(validate.seed(s, "seed")) for s in seeds]
+        return noise_from(generators, None, len(seeds), self.draw_noise)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents (1, C, T', H', W') -> the video (3, F, H, W) in [-1, 1], on the CPU."""
+        return self.decode_batch(latents)[0]
 
 
 def refuse_existing(path: str | Path, force: bool) -> Path:

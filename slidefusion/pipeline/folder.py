@@ -131,11 +131,6 @@ class FolderPipeline(DiffusersCall):
         return decode(self.parts, latents.to(self.device))
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (1, C, T', H', W') -> the video (3, F, H, W) in [-1, 1], on the CPU."""
-        return self.decode_batch(latents)[0]
-
-    @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 30, guidance: float = 5.0, seed: int = 0, negative_prompt: str = "",
                 progress: bool = True) -> Tensor:
@@ -148,10 +143,7 @@ class FolderPipeline(DiffusersCall):
                       height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 5.0,
                       negative_prompt: str = "", progress: bool = False) -> Tensor:
         """Latents (B, C, T', H', W'); video i starts from the noise of seed `seeds[i]` alone."""
-        check(len(prompts) == len(seeds) and len(prompts) > 0,
-              f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
-        generators = [torch.Generator().manual_seed(validate.seed(s, "seed")) for s in seeds]
-        noise = lambda shape: torch.cat([self.draw_noise((1, *shape[1:]), g) for g in generators])  # noqa: E731
+        noise = self.seeded_noise(prompts, seeds)
         sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=frames, height=height, width=width).items()
                                            if v is not None}}
         return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=sizes.get("frames"),

@@ -149,11 +149,6 @@ class VideoPipeline(DiffusersCall):
         return dict(frames=data.frames, height=data.height, width=data.width, steps=30, guidance=4.0)
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (1, C, T', H', W') -> the video (3, T, H, W) in [-1, 1], on the CPU."""
-        return self.decode_batch(latents)[0]
-
-    @torch.no_grad()
     def decode_batch(self, latents: Tensor) -> Tensor:
         """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU."""
         return self.autoencoder.decode(latents).clamp(-1, 1).cpu()
@@ -173,10 +168,7 @@ class VideoPipeline(DiffusersCall):
         """Latents (B, C, T', H', W') of several prompts sampled together. Video i starts from the
         noise of seed `seeds[i]` alone, as `latents(prompts[i], seed=seeds[i])` does, so batching
         changes only rounding."""
-        if len(prompts) != len(seeds) or not prompts:
-            raise UserError(f"prompts ({len(prompts)}) and seeds ({len(seeds)}) must be equally many, at least one")
-        generators = [torch.Generator().manual_seed(validate.seed(s, "seed")) for s in seeds]
-        noise = lambda shape: torch.cat([torch.randn((1, *shape[1:]), generator=g) for g in generators])  # noqa: E731
+        noise = self.seeded_noise(prompts, seeds)
         data = self.config.data
         return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=frames or data.frames,
                                    height=height or data.height, width=width or data.width, steps=steps,

@@ -63,25 +63,29 @@ def _prepare(args, build_pipeline):
     return config, pipe
 
 
-def generate_parallel(args, build_pipeline) -> None:
-    """The `generate` command across ranks: every rank samples; rank 0 writes the outputs and is the
-    one that reports bad input (the others exit 2 silently, so the error is one line)."""
+def _reported_by_rank_zero(run, *args) -> None:
+    """`run(*args)` on every rank; bad input is reported by rank 0 alone (the others exit 2 silently,
+    so the error is one line)."""
     try:
-        _generate_parallel(args, build_pipeline)
+        run(*args)
     except UserError:
         if os.environ.get("RANK", "0") != "0":
             raise SystemExit(2) from None
         raise
 
 
+def generate_parallel(args, build_pipeline) -> None:
+    """The `generate` command across ranks: every rank samples; rank 0 writes the outputs and is the
+    one that reports bad input."""
+    _reported_by_rank_zero(_generate_parallel, args, build_pipeline)
+
+
 def _generate_parallel(args, build_pipeline) -> None:
     import torch.distributed as dist
 
-    from slidefusion.data.video_io import write_video
     from slidefusion.parallel.api import parallel_latents
     from slidefusion.parallel.launch import init_distributed
     from slidefusion.parallel.trace import Tracer
-    from slidefusion.pipeline import save_latents
 
     start = time.perf_counter()
     config, pipe = _prepare(args, build_pipeline)
@@ -91,41 +95,22 @@ def _generate_parallel(args, build_pipeline) -> None:
     latents = parallel_latents(pipe, args.prompt, config, tracer, frames=args.frames, height=args.height,
                                width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
                                progress=rank == 0 and not args.quiet)
-    tracers = [None] * dist.get_world_size()
-    dist.all_gather_object(tracers, tracer)
-    if rank == 0:
-        _report(tracers, args.trace)
-        if args.save_latents:
-            print(f"wrote {save_latents(args.save_latents, latents)}")
-        video = pipe.decode(latents)
-        write_video(Path(args.out), video, fps=pipe.config.data.fps)
-        print(f"wrote {args.out}")
-        print(f"{args.prompt!r}: {video.shape[1]} frames on {dist.get_world_size()} ranks ({args.parallel}) "
-              f"in {time.perf_counter() - start:.1f} s")
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish(args, tracer, start, latents, lambda: pipe.decode(latents), pipe.config.data.fps)
 
 
 def generate_pretrained_parallel(args) -> None:
     """`generate --pretrained DIR --parallel SCHEDULE` under torchrun: every check first (one line,
     from rank 0), then every rank loads the folder and samples, the decode is split over the ranks,
     and rank 0 writes the outputs."""
-    try:
-        _generate_pretrained(args)
-    except UserError:
-        if os.environ.get("RANK", "0") != "0":
-            raise SystemExit(2) from None
-        raise
+    _reported_by_rank_zero(_generate_pretrained, args)
 
 
 def _generate_pretrained(args) -> None:
     import torch.distributed as dist
 
-    from slidefusion.data.video_io import write_video
     from slidefusion.parallel.launch import init_distributed, launcher_world
     from slidefusion.parallel.pretrained import PretrainedParts, Request, check_request, pretrained_video
     from slidefusion.parallel.trace import Tracer
-    from slidefusion.pipeline import save_latents
 
     start = time.perf_counter()
     timeout = 300.0 if args.timeout is None else args.timeout
@@ -138,13 +123,25 @@ def _generate_pretrained(args) -> None:
     tracer = Tracer(rank=rank, enabled=True)
     parts = PretrainedParts.load(args.pretrained)
     latents, video = pretrained_video(parts, request, config, tracer)
+    _finish(args, tracer, start, latents, lambda: video, parts.adapter.fps)
+
+
+def _finish(args, tracer, start: float, latents, video_of, fps: int) -> None:
+    """Every rank's trace to rank 0, which reports the steps and writes the latents and the video
+    (`video_of()`, computed there only), then the group ends."""
+    import torch.distributed as dist
+
+    from slidefusion.data.video_io import write_video
+    from slidefusion.pipeline import save_latents
+
     tracers = [None] * dist.get_world_size()
     dist.all_gather_object(tracers, tracer)
-    if rank == 0:
+    if dist.get_rank() == 0:
         _report(tracers, args.trace)
         if args.save_latents:
             print(f"wrote {save_latents(args.save_latents, latents)}")
-        write_video(Path(args.out), video, fps=16)
+        video = video_of()
+        write_video(Path(args.out), video, fps=fps)
         print(f"wrote {args.out}")
         print(f"{args.prompt!r}: {video.shape[1]} frames on {dist.get_world_size()} ranks ({args.parallel}) "
               f"in {time.perf_counter() - start:.1f} s")

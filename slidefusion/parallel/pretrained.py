@@ -57,7 +57,7 @@ def _generate_rank(rank: int, world: int, folder: str, request: Request, config:
     parts = PretrainedParts.load(folder)
     latents, video = pretrained_video(parts, request, config, decode=decode or out is not None)
     if rank == 0:
-        _write(latents, video, out, save_latents, fps=16)
+        _write(latents, video, out, save_latents, fps=parts.adapter.fps)
     return (latents, video) if rank == 0 else None
 
 

@@ -34,7 +34,8 @@ from slidefusion.errors import UserError, check
 from slidefusion.offload.shapes import ModelShape
 from slidefusion.offload.spill import check_spill_dir
 from slidefusion.offload.tile_runner import check_tileable
-from slidefusion.offload.training import fitting_policy, offload_optimizer
+from slidefusion.offload import OffloadEngine
+from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
@@ -100,7 +101,7 @@ class FolderTask:
         self.slide = cfg.slide
         self._adapt(meta)
         if not quiet:
-            self._say_window(meta)
+            self._say_window()
         expert = next(e for e in folder.experts() if e.name == cfg.expert)
         ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
         self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
@@ -108,9 +109,10 @@ class FolderTask:
             check_tileable(meta, adapter.blocks(meta), config.offload.tile)
         if config.offload.enabled and config.offload.spill_dir is not None:
             check_spill_dir(config.offload.spill_dir)
-        self.attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
-        if config.offload.enabled:  # the planner's refusal now, not after the caches
-            fitting_policy(meta, config, self.grid, model_shape(meta, adapter, self.attention))
+        self.policy = None
+        if config.offload.enabled:  # the planner's refusal now, not after the caches; the engine takes this plan
+            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
+            self.policy = fitting_policy(meta, config, self.grid, model_shape(meta, adapter, attention))
         else:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
@@ -174,23 +176,22 @@ class FolderTask:
     def _slide_init(self, model: nn.Module) -> dict:
         return slide_offset_weights(model, self.config.run.seed) if self.slide is not None else {}
 
-    def _say_window(self, model: nn.Module) -> None:
+    def _say_window(self) -> None:
         """One line when the window is wider than the token grid on some axis (it is clamped there)."""
         if self.slide is None:
             return
-        grid = self.adapter.token_grid(model, (1, *self.latent))
-        wide = [axis for axis, k, n in zip("THW", self.slide.kernel_size, grid) if k > n]
+        wide = [axis for axis, k, n in zip("THW", self.slide.kernel_size, self.grid) if k > n]
         if wide:
             axes = "that axis" if len(wide) == 1 else "those axes"
             print(f"model.attention_options.kernel_size {list(self.slide.kernel_size)} is wider than the token grid "
-                  f"{list(grid)} along {', '.join(wide)}: slide attention attends {axes} whole (the window is "
+                  f"{list(self.grid)} along {', '.join(wide)}: slide attention attends {axes} whole (the window is "
                   "clamped to the grid)")
 
     def _offloaded(self):
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        engine = offload_optimizer(model, self.config, self.grid, model_shape(model, self.adapter, self.attention))
+        engine = OffloadEngine(model, engine_blocks(model), self.policy)
         names = lora_lib.folder_names(model)
         skipped = []
 

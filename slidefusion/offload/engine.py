@@ -12,7 +12,6 @@ Whether a configuration fits is the caller's question, answered by the planner
 (`planner.engine_plan` + `require_fit`) before the engine is built.
 """
 
-import random
 import time
 from collections.abc import Callable
 
@@ -197,14 +196,6 @@ class OffloadEngine:
         self.synchronize()
         load_named_tensors(self.model, self.state, named_tensors, self.device)
         self.weights.upload_all()
-
-    def inject_delays(self, max_seconds: float, seed: int = 0) -> None:
-        """Testing aid: random sleeps before every copy and optimizer job, to expose races."""
-        for offset, target in enumerate((self.h2d, self.d2h)):
-            rng = random.Random(seed + offset)
-            target.set_jitter(lambda rng=rng: time.sleep(rng.uniform(0, max_seconds)))
-        rng = random.Random(seed + 7)
-        self.worker.jitter = lambda: time.sleep(rng.uniform(0, max_seconds))
 
     def close(self) -> None:
         """Finish pending updates, stop the threads and give back a plain host model."""

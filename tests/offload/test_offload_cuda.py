@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from slidefusion.testing.delays import inject_delays
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.optim import OptimConfig
@@ -41,7 +42,7 @@ def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm, resident_block
     reference = copy.deepcopy(model).cuda()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
     engine = _engine(model, max_grad_norm, resident_blocks=resident_blocks)
-    engine.inject_delays(delays, seed=1)
+    inject_delays(engine, delays, seed=1)
     for step in range(20):
         optimizer.zero_grad()
         loss = _loss(reference, step)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from slidefusion.testing.delays import inject_delays
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
@@ -76,7 +77,7 @@ def test_frozen_parameters_train_like_resident_training_of_the_rest(max_grad_nor
     reference = copy.deepcopy(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     engine = OffloadEngine(model, model.blocks, _policy(max_grad_norm=max_grad_norm, resident_blocks=resident_blocks))
-    engine.inject_delays(0.001, seed=5)
+    inject_delays(engine, 0.001, seed=5)
     losses = [engine.train_step(lambda m, s=step: _loss(m, s)) for step in range(8)]
     assert losses == _resident(reference, 8, max_grad_norm)
     weights = engine.model_state_dict()

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from slidefusion.testing.delays import inject_delays
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.pinning import HostAllocator
@@ -16,7 +17,7 @@ from test_offload_engine import MODELS, _loss, _policy
 def _run(kind, resident_blocks, steps=8, delays=0.0, **options):
     model = MODELS[kind]()
     engine = OffloadEngine(model, model.blocks, _policy(resident_blocks=resident_blocks, **options))
-    engine.inject_delays(delays, seed=resident_blocks)
+    inject_delays(engine, delays, seed=resident_blocks)
     losses = [engine.train_step(lambda m, s=s: _loss(kind, m, s)) for s in range(steps)]
     weights = engine.model_state_dict()
     engine.close()

@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 
-from slidefusion.testing.delays import inject_delays
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.optim import OptimConfig
+from slidefusion.testing.delays import inject_delays
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

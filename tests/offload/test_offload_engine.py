@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from slidefusion.testing.delays import inject_delays
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy, engine_plan, require_fit
 from slidefusion.optim import OptimConfig
+from slidefusion.testing.delays import inject_delays
 
 LR, WD = 3e-3, 0.1
 

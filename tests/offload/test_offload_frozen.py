@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from slidefusion.testing.delays import inject_delays
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
@@ -168,6 +167,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
+from slidefusion.testing.delays import inject_delays
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -6,11 +6,11 @@ import warnings
 import pytest
 import torch
 
-from slidefusion.testing.delays import inject_delays
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.pinning import HostAllocator
 from slidefusion.offload.planner import auto_resident_blocks, engine_plan
+from slidefusion.testing.delays import inject_delays
 from test_offload_engine import MODELS, _loss, _policy
 
 

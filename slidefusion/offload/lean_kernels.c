@@ -126,33 +126,6 @@ INLINE void block(const Consts c, int k, uint32_t index0, const void* restrict G
 }
 
 
-/* bf16 gradient, master and moments: every stream holds two values per 32-bit word, so this loop runs
-   over words, the even values in the low halves and the odd ones in the high halves (a bf16 shifted up
-   16 bits is its fp32), and never widens or narrows 16-bit lanes (on AVX-512 those shuffles compete
-   with the update's arithmetic). The values are bitwise those of `block`; 12% faster measured. */
-INLINE uint32_t sr_bits(float f, uint32_t noise) {  /* high half = f2bf_sr(f, noise) */
-  uint32_t r = bits(f) + noise;
-  return f != f ? 0x7FC00000u : r;
-}
-INLINE float update1(const Consts c, float g, float* m, float* v, float p) {
-  g = g * c.scale; p = p * c.decay; *m = *m + c.w1 * (g - *m); *v = *v * c.beta2 + (c.value2 * g) * g;
-  return p + (c.neg * *m) / (sqrtf(*v) * c.ibs + c.eps);
-}
-static void block_bf16_pairs(const Consts c, int k, uint32_t index0, const uint32_t* restrict G, uint32_t* restrict P,
-                             uint32_t* restrict M, uint32_t* restrict V) {
-  for (int j = 0; j < k / 2; j++) {
-    uint32_t gw = G[j], pw = P[j], mw = M[j], vw = V[j];
-    float m0 = from_bits(mw << 16), m1 = from_bits(mw & 0xFFFF0000u), v0 = from_bits(vw << 16), v1 = from_bits(vw & 0xFFFF0000u);
-    float p0 = update1(c, from_bits(gw << 16), &m0, &v0, from_bits(pw << 16));
-    float p1 = update1(c, from_bits(gw & 0xFFFF0000u), &m1, &v1, from_bits(pw & 0xFFFF0000u));
-    uint32_t i0 = index0 + 2 * (uint32_t)j, i1 = i0 + 1;
-    uint32_t h0 = mix32(i0 ^ c.sm), h1 = mix32(i1 ^ c.sm);  /* one hash per value for both moments */
-    P[j] = (sr_bits(p0, mix32(i0 ^ c.sp) & 0xFFFFu) >> 16) | (sr_bits(p1, mix32(i1 ^ c.sp) & 0xFFFFu) & 0xFFFF0000u);
-    M[j] = (sr_bits(m0, h0 & 0xFFFFu) >> 16) | (sr_bits(m1, h1 & 0xFFFFu) & 0xFFFF0000u);
-    V[j] = (sr_bits(v0, h0 >> 16) >> 16) | (sr_bits(v1, h1 >> 16) & 0xFFFF0000u);
-  }
-}
-
 /* The compute copy from what the master now holds (what is stored is what computes); one loop per
    format pair, chosen outside it. */
 #define OUT_LOOP(GET, PUT) for (int i = 0; i < k; i++) { float p = GET; PUT; }
@@ -176,8 +149,6 @@ INLINE void encode_block(const float* restrict src, int k, float amax, int B, in
     codes[i] = (uint8_t)(sign && code ? code | ((bits(src[i]) >> 24) & 0x80u) : code);
   }
 }
-
-INLINE int aligned4(const void* p) { return ((uintptr_t)p & 3u) == 0; }  /* 4-byte aligned */
 
 #define CASE(GK, MK, VK) case (GK) * 9 + (MK) * 3 + (VK): \
   block(c, k, (uint32_t)o, g, P, C, M, V, am, av, sm, sv, top, GK, MK, VK); break;
@@ -205,9 +176,10 @@ void lean_update(const LeanArgs* a, int64_t first, int64_t last) {
     uint16_t* C = a->comp ? (uint16_t*)a->comp + o : NULL;
     const float am = a->moments_kind == 2 ? a->m_scale[b] : 0.0f, av = a->moments_kind == 2 ? a->v_scale[b] : 0.0f;
     void *P = (char*)a->p + o * pw, *M = (char*)a->m + o * mw, *V = (char*)a->v + o * mw;
-    if (key == 13 && k % 2 == 0 && aligned4(g) && aligned4(P) && aligned4(M) && aligned4(V))  /* bf16 grad, master, moments */
-      block_bf16_pairs(c, k, (uint32_t)o, g, P, M, V);
-    else switch (key) { ALL(0) ALL(1) default: return; }
+    /* bf16 / bf16 used to run a loop over 32-bit word pairs (no 16-bit shuffles, faster in cache);
+       with m and v sharing one hash that loop streamed from DRAM 15 % slower than this one
+       (benchmarks/offload.py, 16 M parameters, alternating), so every format takes `block`. */
+    switch (key) { ALL(0) ALL(1) default: return; }
     if (a->out) store_out(a, o, k);
     if (a->moments_kind == 2) {
       a->m_scale[b] = from_bits(top[0]);

@@ -7,8 +7,9 @@
    pointers with the constants in registers, and gcc vectorizes every one of them (one value per
    SIMD lane; -fopt-info-vec). 8-bit moments take a second pass over a cache-resident scratch,
    because a block's scale (its absmax, taken in the update loop) is known only after its update.
-   On one core the lean formats are compute-bound, not memory-bound: the update's IEEE division
-   and square root alone cost ~0.3 ns per value on AVX-512 (benchmarks/offload.py, "in cache").
+   On one core they reach 18-76 % of a bandwidth floor that moves each stream alone; what each
+   term costs (division and square root, hash, 8-bit codec) is measured by
+   benchmarks/offload_terms.py, and even with all of them stubbed out the loops stay at 51-80 %.
 
    The arithmetic is written as separate multiplies and adds (built with -ffp-contract=off) so that
    `lean.py`'s plain-torch reference, one tensor operation per step here, is bitwise equal:

@@ -52,8 +52,9 @@ class LeanBuffers:
         return 0 if self.master.dtype == torch.float32 else (2 if self.comp is not None else 1)
 
 
-def seeds(seed: int, step: int, key: int) -> tuple[int, int, int]:
-    """The three stochastic-rounding streams (master, m, v) of one group's update at one step."""
+def seeds(seed: int, step: int, key: int) -> tuple[int, int]:
+    """The stochastic-rounding streams of one group's update at one step: the master's, and the
+    moments' (m rounds with the low 16 bits of each value's hash, v with the high 16)."""
     def mix(x: int) -> int:  # splitmix64's finaliser
         x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -61,7 +62,7 @@ def seeds(seed: int, step: int, key: int) -> tuple[int, int, int]:
         return (x ^ (x >> 31)) & MASK32
 
     base = mix(mix(seed) ^ (step * 0x100000001B3) ^ ((key + 1) << 40))
-    return mix(base ^ 1), mix(base ^ 2), mix(base ^ 3)
+    return mix(base ^ 1), mix(base ^ 2)
 
 
 def _scalars(step: int, lr: float, cfg, grad_scale: float) -> dict[str, float]:
@@ -86,10 +87,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def round_bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """fp32 -> bf16, adding hash(seed, index) & 0xFFFF to the bit pattern, then truncating."""
+def round_bf16_stochastic(x: torch.Tensor, seed: int, high: bool = False) -> torch.Tensor:
+    """fp32 -> bf16, adding 16 bits of hash(seed, index) (the low half, or the high half when
+    `high`) to the bit pattern, then truncating."""
     index = torch.arange(x.numel(), dtype=torch.int64)
-    noise = _mix32((index & MASK32) ^ seed) & 0xFFFF
+    h = _mix32((index & MASK32) ^ seed)
+    noise = h >> 16 if high else h & 0xFFFF
     out = (((x.reshape(-1).view(torch.int32).to(torch.int64) & MASK32) + noise) >> 16) & 0xFFFF
     out = torch.where(torch.isnan(x.reshape(-1)), 0x7FC0, out)
     return (out - (out >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
@@ -118,12 +121,12 @@ def encode8(x: torch.Tensor, magnitude_bits: int, keep_positive: bool) -> torch.
     """x in [0, 1] -> magnitude codes (int64): decade from the exponent, then the bin holding x."""
     frac, b = torch.tensor(FRAC, dtype=torch.float32).item(), magnitude_bits
     raw = x.view(torch.int32).long()
-    d = ((126 - (raw >> 23)) >> 2).clamp(0, b)
+    d = ((126 - (raw >> 23)) >> 2).clamp(0, b)  # x == 0 (and x below the last decade): d == b
     u = (raw + (d << 25)).to(torch.int32).view(torch.float32)
-    y = ((u - 0.0625) * frac + 1.0) * _pow2(b - 1 - d)
-    code = y.to(torch.int32).long().clamp(max=(1 << b) - 1)
-    below = ((x > 0) if keep_positive else torch.zeros_like(x, dtype=torch.bool)).long()
-    return torch.where((d >= b) | (x == 0), below, code)
+    z = (u - 0.0625) * frac + 1.0  # in [1, 2]; the bin is trunc(z * 2^(b-1-d)), read off z's bits
+    code = (((z.view(torch.int32).long() & MASK32) - 0x3F000000) >> (24 - b + d)).clamp(max=(1 << b) - 1)
+    below = ((raw != 0) if keep_positive else torch.zeros_like(x, dtype=torch.bool)).long()
+    return torch.where(d >= b, below, code)
 
 
 def quantize(values: torch.Tensor, block: torch.Tensor, blocks: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +148,7 @@ def dequantize(codes: torch.Tensor, amax: torch.Tensor, signed: bool) -> torch.T
 
 @torch.no_grad()
 def lean_adamw_reference_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1.0,
-                          stream_seeds: tuple[int, int, int] = (0, 0, 0)) -> None:
+                          stream_seeds: tuple[int, int] = (0, 0)) -> None:
     """One AdamW step on lean buffers, one torch operation per line of the C kernel's arithmetic."""
     c, n = _scalars(step, lr, cfg, grad_scale), b.numel
     block = _block_of(b.starts, n) if b.starts is not None else None
@@ -165,7 +168,7 @@ def lean_adamw_reference_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale:
         b.exp_avg.copy_(codes_m), b.exp_avg_sq.copy_(codes_v), b.m_scale.copy_(amax_m), b.v_scale.copy_(amax_v)
     elif b.moments_kind == 1:
         b.exp_avg.copy_(round_bf16_stochastic(m, stream_seeds[1]))
-        b.exp_avg_sq.copy_(round_bf16_stochastic(v, stream_seeds[2]))
+        b.exp_avg_sq.copy_(round_bf16_stochastic(v, stream_seeds[1], high=True))
     else:
         b.exp_avg.copy_(m), b.exp_avg_sq.copy_(v)
 
@@ -192,7 +195,7 @@ class _Args(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("p", "comp", "m", "v", "m_scale", "v_scale", "starts", "g", "out")] + [
         (name, ctypes.c_int32) for name in ("master_kind", "moments_kind", "grad_kind", "out_kind")] + [("n", ctypes.c_int64)] + [
         (name, ctypes.c_float) for name in ("decay", "scale", "w1", "beta2", "value2", "inv_bias2_sqrt", "eps", "neg_step")] + [
-        (name, ctypes.c_uint32) for name in ("seed_p", "seed_m", "seed_v")]
+        (name, ctypes.c_uint32) for name in ("seed_p", "seed_m")]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -207,7 +210,7 @@ def _args(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float, stream_s
 
 
 def prepared_kernel(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1.0,
-                    stream_seeds: tuple[int, int, int] = (0, 0, 0)):
+                    stream_seeds: tuple[int, int] = (0, 0)):
     """The C kernel's whole update of `b` as a zero-argument callable with its arguments built once
     (None without a compiler): benchmarks time it on cache-resident buffers, where a call costs
     less than building its arguments. Calling it twice applies two identical updates."""
@@ -220,7 +223,7 @@ def prepared_kernel(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float
 
 
 def lean_adamw_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1.0,
-                stream_seeds: tuple[int, int, int] = (0, 0, 0), threads: int = 1) -> None:
+                stream_seeds: tuple[int, int] = (0, 0), threads: int = 1) -> None:
     """`lean_adamw_reference_`, in C where it is built: `threads` ranges of whole blocks at once."""
     lib = kernels.load()
     if lib is None:

@@ -7,8 +7,9 @@
    pointers with the constants in registers, and gcc vectorizes every one of them (one value per
    SIMD lane; -fopt-info-vec). 8-bit moments take a second pass over a cache-resident scratch,
    because a block's scale (its absmax, taken in the update loop) is known only after its update.
-   On one core the lean formats are compute-bound, not memory-bound: the update's IEEE division
-   and square root alone cost ~0.3 ns per value on AVX-512 (benchmarks/offload.py, "in cache").
+   On one core they reach 18-76 % of a bandwidth floor that moves each stream alone; what each
+   term costs (division and square root, hash, 8-bit codec) is measured by
+   benchmarks/offload_terms.py, and even with all of them stubbed out the loops stay at 51-80 %.
 
    The arithmetic is written as separate multiplies and adds (built with -ffp-contract=off) so that
    `lean.py`'s plain-torch reference, one tensor operation per step here, is bitwise equal:
@@ -16,7 +17,10 @@
        p = p * decay;          p = p + (neg_step * m) / (sqrt(v) * inv_bias2_sqrt + eps)
    Encodings:
      bf16, stochastic   add 16 random bits to the fp32 pattern and truncate (unbiased rounding);
-                        the bits hash (seed, element index): reproducible, any thread split
+                        the bits hash (seed, element index): reproducible, any thread split. The
+                        master has its own hash; m and v take the low and high halves of one
+                        (each half is uniform, so each rounding stays unbiased; one hash less
+                        per value, the lowbias32 hash costing ~0.09 ns)
      bf16 + Kahan       hi = round(p), lo = round(p - hi): the pair keeps ~16 bits of mantissa
      8-bit dynamic      dynamic tree quantization of x = |value| / absmax(block), as in 8-bit Adam
                         but with decades of 16x (binade-aligned, so codes come from float bits):
@@ -43,7 +47,7 @@ typedef struct {
                                                               grad/out 0 fp32 1 bf16 2 fp16 */
   int64_t n;
   float decay, scale, w1, beta2, value2, inv_bias2_sqrt, eps, neg_step;
-  uint32_t seed_p, seed_m, seed_v;
+  uint32_t seed_p, seed_m;  /* master, moments */
 } LeanArgs;
 
 #define INLINE static inline __attribute__((always_inline))
@@ -53,21 +57,23 @@ INLINE float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 INLINE uint16_t f2bf(float f) { uint32_t u = bits(f); uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   return f != f ? (uint16_t)0x7FC0 : r; }
 INLINE uint32_t mix32(uint32_t x) { x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16; return x; }
-INLINE uint16_t f2bf_sr(float f, uint32_t index, uint32_t seed) {
-  uint16_t r = (uint16_t)((bits(f) + (mix32(index ^ seed) & 0xFFFFu)) >> 16);
+INLINE uint16_t f2bf_sr(float f, uint32_t noise) {  /* noise: 16 random bits */
+  uint16_t r = (uint16_t)((bits(f) + noise) >> 16);
   return f != f ? (uint16_t)0x7FC0 : r;
 }
 /* 8-bit dynamic codes: `magnitude` bits B, x in [0, 1]. */
 INLINE uint32_t encode8(float x, int B, int keep_positive) {
   uint32_t raw = bits(x);
-  int32_t d = (126 - (int32_t)(raw >> 23)) >> 2;               /* floor((-1 - log2 x) / 4) */
+  int32_t d = (126 - (int32_t)(raw >> 23)) >> 2;               /* floor((-1 - log2 x) / 4); x == 0: 31 */
   d = d < 0 ? 0 : (d > B ? B : d);                              /* x == 1 falls in decade 0 */
   float u = from_bits(raw + ((uint32_t)d << 25));               /* x * 16^d, exact */
-  float y = ((u - 0.0625f) * FRAC + 1.0f) * from_bits((uint32_t)(126 + B - d) << 23);  /* in [2^t, 2^(t+1)), t = B-1-d */
-  int32_t code = (int32_t)y, most = (1 << B) - 1;
+  float z = (u - 0.0625f) * FRAC + 1.0f;                        /* in [1, 2]: the bin is z's top t+1 bits, t = B-1-d */
+  /* trunc(z * 2^t) read off z's bits (one variable shift instead of a scale, a multiply and a
+     conversion); equal to it on every float in [0, 1] (checked exhaustively). */
+  int32_t code = (int32_t)((bits(z) - 0x3F000000u) >> (24 - B + d)), most = (1 << B) - 1;
   code = code > most ? most : code;
-  uint32_t below = keep_positive && x > 0.0f ? 1u : 0u;
-  return d >= B || x == 0.0f ? below : (uint32_t)code;
+  uint32_t below = keep_positive && raw != 0 ? 1u : 0u;
+  return d >= B ? below : (uint32_t)code;                       /* d == B: x == 0 or below the last decade */
 }
 
 INLINE float decode8(uint32_t code, int B) {
@@ -80,7 +86,7 @@ INLINE float decode8(uint32_t code, int B) {
 
 /* The update's constants, copied out of LeanArgs so the loops hold them in registers (a store through
    a uint16_t* might otherwise alias them and stop vectorization). */
-typedef struct { float decay, scale, w1, beta2, value2, ibs, eps, neg; uint32_t sp, sm, sv; } Consts;
+typedef struct { float decay, scale, w1, beta2, value2, ibs, eps, neg; uint32_t sp, sm; } Consts;
 
 /* One block of k values at offset o: decode, update, encode. GK, MK, VK are compile-time constants at
    each call site, and every pointer is restrict, so each instance is one branch-free loop that gcc
@@ -107,10 +113,10 @@ INLINE void block(const Consts c, int k, uint32_t index0, const void* restrict G
     p = p + (c.neg * m) / (sqrtf(v) * c.ibs + c.eps);
     uint32_t index = index0 + (uint32_t)i;
     if (MK == 0) P32[i] = p;
-    else if (MK == 1) P16[i] = f2bf_sr(p, index, c.sp);
+    else if (MK == 1) P16[i] = f2bf_sr(p, mix32(index ^ c.sp) & 0xFFFFu);
     else { uint16_t hi = f2bf(p); P16[i] = hi; C[i] = f2bf(p - bf2f(hi)); }
     if (VK == 0) { M32[i] = m; V32[i] = v; }
-    else if (VK == 1) { M16[i] = f2bf_sr(m, index, c.sm); V16[i] = f2bf_sr(v, index, c.sv); }
+    else if (VK == 1) { uint32_t h = mix32(index ^ c.sm); M16[i] = f2bf_sr(m, h & 0xFFFFu); V16[i] = f2bf_sr(v, h >> 16); }
     else {
       sm[i] = m; sv[i] = v;
       uint32_t um = bits(m) & 0x7FFFFFFFu, uv = bits(v) & 0x7FFFFFFFu;  /* |value| on the bit patterns: same order */
@@ -120,32 +126,6 @@ INLINE void block(const Consts c, int k, uint32_t index0, const void* restrict G
   top[0] = top_m; top[1] = top_v;
 }
 
-
-/* bf16 gradient, master and moments: every stream holds two values per 32-bit word, so this loop runs
-   over words, the even values in the low halves and the odd ones in the high halves (a bf16 shifted up
-   16 bits is its fp32), and never widens or narrows 16-bit lanes (on AVX-512 those shuffles compete
-   with the update's arithmetic). The values are bitwise those of `block`; 12% faster measured. */
-INLINE uint32_t sr_bits(float f, uint32_t index, uint32_t seed) {  /* high half = f2bf_sr(f, ...) */
-  uint32_t r = bits(f) + (mix32(index ^ seed) & 0xFFFFu);
-  return f != f ? 0x7FC00000u : r;
-}
-INLINE float update1(const Consts c, float g, float* m, float* v, float p) {
-  g = g * c.scale; p = p * c.decay; *m = *m + c.w1 * (g - *m); *v = *v * c.beta2 + (c.value2 * g) * g;
-  return p + (c.neg * *m) / (sqrtf(*v) * c.ibs + c.eps);
-}
-static void block_bf16_pairs(const Consts c, int k, uint32_t index0, const uint32_t* restrict G, uint32_t* restrict P,
-                             uint32_t* restrict M, uint32_t* restrict V) {
-  for (int j = 0; j < k / 2; j++) {
-    uint32_t gw = G[j], pw = P[j], mw = M[j], vw = V[j];
-    float m0 = from_bits(mw << 16), m1 = from_bits(mw & 0xFFFF0000u), v0 = from_bits(vw << 16), v1 = from_bits(vw & 0xFFFF0000u);
-    float p0 = update1(c, from_bits(gw << 16), &m0, &v0, from_bits(pw << 16));
-    float p1 = update1(c, from_bits(gw & 0xFFFF0000u), &m1, &v1, from_bits(pw & 0xFFFF0000u));
-    uint32_t i0 = index0 + 2 * (uint32_t)j, i1 = i0 + 1;
-    P[j] = (sr_bits(p0, i0, c.sp) >> 16) | (sr_bits(p1, i1, c.sp) & 0xFFFF0000u);
-    M[j] = (sr_bits(m0, i0, c.sm) >> 16) | (sr_bits(m1, i1, c.sm) & 0xFFFF0000u);
-    V[j] = (sr_bits(v0, i0, c.sv) >> 16) | (sr_bits(v1, i1, c.sv) & 0xFFFF0000u);
-  }
-}
 
 /* The compute copy from what the master now holds (what is stored is what computes); one loop per
    format pair, chosen outside it. */
@@ -171,8 +151,6 @@ INLINE void encode_block(const float* restrict src, int k, float amax, int B, in
   }
 }
 
-INLINE int aligned4(const void* p) { return ((uintptr_t)p & 3u) == 0; }  /* 4-byte aligned */
-
 #define CASE(GK, MK, VK) case (GK) * 9 + (MK) * 3 + (VK): \
   block(c, k, (uint32_t)o, g, P, C, M, V, am, av, sm, sv, top, GK, MK, VK); break;
 #define CASES(GK, MK) CASE(GK, MK, 0) CASE(GK, MK, 1) CASE(GK, MK, 2)
@@ -184,7 +162,7 @@ void lean_update(const LeanArgs* a, int64_t first, int64_t last) {
   float sm[QB], sv[QB], g32[QB];
   uint32_t top[2] = {0, 0};
   const Consts c = {a->decay, a->scale, a->w1, a->beta2, a->value2, a->inv_bias2_sqrt, a->eps, a->neg_step,
-                    a->seed_p, a->seed_m, a->seed_v};
+                    a->seed_p, a->seed_m};
   const int gk = a->grad_kind == 2 ? 0 : a->grad_kind, key = gk * 9 + a->master_kind * 3 + a->moments_kind;
   const int pw = a->master_kind == 0 ? 4 : 2, mw = a->moments_kind == 0 ? 4 : a->moments_kind == 1 ? 2 : 1;
   for (int64_t b = first; b < last; b++) {
@@ -199,9 +177,10 @@ void lean_update(const LeanArgs* a, int64_t first, int64_t last) {
     uint16_t* C = a->comp ? (uint16_t*)a->comp + o : NULL;
     const float am = a->moments_kind == 2 ? a->m_scale[b] : 0.0f, av = a->moments_kind == 2 ? a->v_scale[b] : 0.0f;
     void *P = (char*)a->p + o * pw, *M = (char*)a->m + o * mw, *V = (char*)a->v + o * mw;
-    if (key == 13 && k % 2 == 0 && aligned4(g) && aligned4(P) && aligned4(M) && aligned4(V))  /* bf16 grad, master, moments */
-      block_bf16_pairs(c, k, (uint32_t)o, g, P, M, V);
-    else switch (key) { ALL(0) ALL(1) default: return; }
+    /* bf16 / bf16 used to run a loop over 32-bit word pairs (no 16-bit shuffles, faster in cache);
+       with m and v sharing one hash that loop streamed from DRAM 15 % slower than this one
+       (benchmarks/offload.py, 16 M parameters, alternating), so every format takes `block`. */
+    switch (key) { ALL(0) ALL(1) default: return; }
     if (a->out) store_out(a, o, k);
     if (a->moments_kind == 2) {
       a->m_scale[b] = from_bits(top[0]);

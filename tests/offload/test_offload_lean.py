@@ -14,6 +14,7 @@ from slidefusion.offload.layout import layout_of
 from slidefusion.offload.lean import (
     LeanBuffers,
     dequantize,
+    encode8,
     lean_adamw_,
     lean_adamw_reference_,
     prepared_kernel,
@@ -111,6 +112,28 @@ def test_8bit_codes_land_in_the_bin_holding_the_value():
     codes_v, amax_v = quantize(v, torch.zeros(4, dtype=torch.long), 1, signed=False)
     assert codes_v.tolist()[:3] == [1, 1, 0]  # a positive second moment never becomes 0
     assert dequantize(codes_v, amax_v.expand(4), signed=False)[3] == pytest.approx(1.0, rel=0.01)
+
+
+def _encode8_by_scaling(x: torch.Tensor, b: int, keep_positive: bool) -> torch.Tensor:
+    """The 8-bit encoding written out the long way (scale by 2^t, truncate): what encode8's bit shift replaces."""
+    raw = x.view(torch.int32).long()
+    d = ((126 - (raw >> 23)) >> 2).clamp(0, b)
+    u = (raw + (d << 25)).to(torch.int32).view(torch.float32)
+    y = ((u - 0.0625) * torch.tensor(16 / 15, dtype=torch.float32).item() + 1.0) * \
+        ((b - 1 - d + 127) << 23).to(torch.int32).view(torch.float32)
+    code = y.to(torch.int32).long().clamp(max=(1 << b) - 1)
+    return torch.where((d >= b) | (x == 0), ((x > 0) & keep_positive).long(), code)
+
+
+@pytest.mark.parametrize("magnitude_bits, keep_positive", [(7, False), (8, True)])
+def test_8bit_encoding_reads_the_bin_off_the_bits(magnitude_bits, keep_positive):
+    """Every float in [2^-33, 1] with its low 7 mantissa bits 0, 1 or 127 (bin edges and their
+    neighbours included), plus 0, tiny values and 1: the shift equals scaling and truncating
+    (the C kernel's encode8 was also compared on every float in [0, 1] when written)."""
+    patterns = torch.arange((127 - 33) << 16, (127 << 16) + 1, dtype=torch.int64) << 7
+    patterns = torch.cat([patterns, patterns + 1, patterns + 127, torch.tensor([0, 1, 0x00800000, 0x3F800000])])
+    x = patterns.to(torch.int32).view(torch.float32)
+    assert torch.equal(encode8(x, magnitude_bits, keep_positive), _encode8_by_scaling(x, magnitude_bits, keep_positive))
 
 
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():

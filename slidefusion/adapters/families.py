@@ -164,6 +164,10 @@ LTX = ModelAdapter(
     # LTXPipeline: (VAE temporal compression / frame_rate, spatial, spatial) = (8 / 25, 32, 32) by default
     options=MappingProxyType({"rope_interpolation_scale": (8 / 25, 32, 32)}),
     schedule="shifted-linspace", fps=24,
+    # LTXVideoTransformerBlock.forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+    # encoder_attention_mask): RoPE (B, N, D) each; temb (B, 1, 6C), or (B, N, 6C) for per-token timesteps
+    token_tiling=TokenTiling(MappingProxyType({"hidden_states": TokenArg(1), "temb": TokenArg(1, sized=True),
+                                               "image_rotary_emb": TokenArg(1)}), ("LTXVideoAttnProcessor",)),
 )
 
 

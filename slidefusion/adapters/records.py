@@ -95,10 +95,12 @@ class BlockList:
 class TokenArg:
     """One argument of a block's forward that holds per-video-token tensors (a tuple of them: each):
     `dim` is their token dimension; with `ndim`, only a tensor of that rank is per token (Wan's
-    timestep modulation is (B, 6, C), per sample, in 2.1 and (B, N, 6, C), per token, in 2.2 TI2V)."""
+    timestep modulation is (B, 6, C), per sample, in 2.1 and (B, N, 6, C), per token, in 2.2 TI2V);
+    with `sized`, only a tensor whose size on `dim` is the token count (LTX's (B, 1 or N, 6C))."""
 
     dim: int = 1
     ndim: int | None = None
+    sized: bool = False
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,8 @@ class Site:
     inner: the block's own forward; attn: its self-attention module (stood in for); ops: what
     answers `tile_keys` / `tile_attend` (the module itself, or `attention.redirect.StockQueryTiles`);
     rule: the attention's TileRule; flat, spec: the call's inputs (`tree_flatten((args, kwargs))`),
-    the first the tokens the block returns; dims: per flat input, the dimension tiles cut (None:
-    used whole); unit: elements along those dimensions per slice of the rule's axis (1 on a grid
+    the first the tokens (or grid) the block returns, cut on the same dimension; dims: per flat
+    input, the dimension tiles cut (None: used whole); unit: elements along those dimensions per slice of the rule's axis (1 on a grid
     (B, T, H, W, C); H*W tokens per frame in a sequence (B, T*H*W, C)); length: slices on the axis."""
 
     inner: Callable
@@ -105,8 +105,8 @@ class Site:
         block stops there."""
         seen = []
 
-        def reached(y, *args, **kwargs):
-            seen.append((y, args, kwargs))
+        def reached(*args, **kwargs):
+            seen.append(queries(args, kwargs))
             raise _Reached
 
         with stand_in(self.attn, reached):
@@ -118,12 +118,25 @@ class Site:
 
     def replay(self, flat: list, attend: Callable):
         """The block on `flat`, with `attend(y, *args, **kwargs)` giving its attention's output."""
-        with stand_in(self.attn, attend):
+        def answer(*args, **kwargs):
+            y, args, kwargs = queries(args, kwargs)
+            return attend(y, *args, **kwargs)
+
+        with stand_in(self.attn, answer):
             return self.run(flat)
 
     def place(self, out, piece: torch.Tensor, start: int, dim: int = 1) -> torch.Tensor:
         """Write a tile's `piece` (cut on `dim`) into `out` at slice `start` (allocated at the first)."""
         return _place(out, piece, self.length * self.unit, dim, start * self.unit)
+
+
+def queries(args: tuple, kwargs: dict) -> tuple:
+    """(y, args, kwargs) of a call to a self-attention: y, its input tokens, is the first positional
+    argument or diffusers' `hidden_states=` keyword (LTX's blocks pass it so)."""
+    if args:
+        return args[0], args[1:], kwargs
+    kwargs = dict(kwargs)
+    return kwargs.pop("hidden_states"), (), kwargs
 
 
 def tiles_for(rule: TileRule, grid: tuple[int, int, int], frames: int) -> list[tuple[int, int]]:
@@ -152,10 +165,11 @@ def _fixed(value: torch.Tensor) -> Callable:
     return attend
 
 
-def local_piece(site: Site, sub: list, offset: int, size: int) -> torch.Tensor:
-    """The block's output at slices [offset, offset + size) of the context its inputs `sub` cover."""
+def local_piece(site: Site, sub: list, offset: int, size: int, span: int) -> torch.Tensor:
+    """The block's output at slices [offset, offset + size) of the context (`span` slices) its
+    inputs `sub` cover."""
     dim = site.dims[0]
-    if sub[0].shape[dim] == size * site.unit:
+    if span == size:
         return site.run(sub)
     y, args, kwargs = site.attention_input(sub)
     kept = site.part(site.attn(y, *args, **kwargs), dim, offset, offset + size)
@@ -187,7 +201,7 @@ def forward_tiles(site: Site, tiles) -> torch.Tensor:
             piece = site.replay(site.inputs(a, b), attend)
         else:
             first, last = site.rule.context(a, b, site.length)
-            piece = local_piece(site, site.inputs(first, last), a - first, b - a)
+            piece = local_piece(site, site.inputs(first, last), a - first, b - a, last - first)
         out = site.place(out, piece, a, dim)
     return out
 
@@ -245,7 +259,7 @@ def grad_tiles(site: Site, tiles, grad_out: torch.Tensor, sums: Sums) -> None:
         first, last = site.rule.context(a, b, site.length)
         sub = site.inputs(first, last, leaves=True)
         with torch.enable_grad():
-            piece = local_piece(site, sub, a - first, b - a)
+            piece = local_piece(site, sub, a - first, b - a, last - first)
         sums.add(piece, site.part(grad_out, dim, a, b), sub, first)
 
 

@@ -79,14 +79,18 @@ class TokenBlocks:
 
         def dims_of(name: str):
             rule = per_token.get(name)
-            return lambda t: (rule.dim if rule is not None and hasattr(t, "ndim") and rule.ndim in (None, t.ndim)
-                              else _WHOLE)
+
+            def dim(t):
+                cut = rule is not None and hasattr(t, "ndim") and rule.ndim in (None, t.ndim)
+                return rule.dim if cut and (not rule.sized or t.shape[rule.dim] == tokens) else _WHOLE
+            return dim
 
         marked = ([tree_map(dims_of(name), arg) for name, arg in zip(names, args)],
                   {key: tree_map(dims_of(key), value) for key, value in kwargs.items()})
         dims = [None if d == _WHOLE else d for d in tree_flatten(marked)[0]]
-        check(len(dims) == len(flat) and dims[0] == 1, f"{type(block).__name__}: tiling needs the video tokens "
-                                                       f"(B, N, C) as the block's first argument")
+        first = next(iter(per_token))
+        check(len(dims) == len(flat) and (bool(args) or first in kwargs) and dims[0] == per_token[first].dim,
+              f"{type(block).__name__}: tiling needs the video tokens (B, N, C) as the block's first argument, {first}")
         for t, dim in ((t, dim) for t, dim in zip(flat, dims) if dim is not None):
             check(t.shape[dim] == tokens, f"{type(block).__name__}: a per-token input has {t.shape[dim]} tokens, "
                                           f"the grid {'x'.join(map(str, self.grid))} has {tokens}")

@@ -74,13 +74,15 @@ class StockQueryTiles:
     need the keys and values of the whole clip (`TileRule(halo=None)`). See the module docstring."""
 
     def __init__(self, attn: nn.Module, path: str):
-        self.attn, self.path = attn, path
+        self.attn, self.path, self.stock = attn, path, attn.processor
         self.processor = native_copy(attn.processor)
 
     def tile_rule(self, grid: tuple[int, int, int]) -> TileRule:
         return TileRule(axis=1, halo=None)
 
     def _run(self, y: Tensor, args: tuple, kwargs: dict, attend: Callable) -> Tensor:
+        check(self.attn.processor is self.stock, f"{self.path}: its attention processor changed after tiling was set "
+                                                 "up; set processors before building the engine (or tile_blocks)")
         redirect = RedirectAttention(attend)
         with redirect:
             out = self.processor(self.attn, y, *args, **kwargs)

@@ -17,12 +17,17 @@ frames along the rule's axis (rows for STDiT's attention through time, same toke
                    (`tile_keys`, per token), then each tile's queries attend to all of them
                    (`tile_attend`) while the rest of the block runs on the tile.
 
+Blocks on packed tokens (diffusers Wan and LTX-Video, `token_tiles`) take (B, T*H*W, C) in
+frame-major order: a tile of frames is a contiguous token range, and every input the family's
+record names as per token (the tokens, RoPE tables, per-token modulation) is cut to it along its
+own dimension; the rest is used whole. Their self-attention is dense (the global case above).
+
 The block is stopped at its attention by standing in for the attention module's `forward` on the
 instance (a forward hook cannot skip the call); the block's code never changes.
 
 Backward recomputes tile by tile, each with its own small graph: weight gradients and the
 conditioning's gradients are summed over tiles (in float32 when they are lower precision), the
-grid's input gradient is summed by slab (halo frames receive from their neighbours' tiles; the
+gradients of the inputs tiles cut (the grid, per-token modulation) are summed by slab (halo frames receive from their neighbours' tiles; the
 gradient of a discarded halo output is zero, so duplicated work adds nothing), and in the global
 case the key/value gradients of all query tiles are summed before one more pass pushes them
 through the key/value projections. Offsets (slide) get their gradients through the local path.

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from slidefusion.adapters import ADAPTERS, adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.offload.hooks import WholeBlock
 from slidefusion.offload.tiled import Site, Sums, forward_tiles, grad_tiles, stand_in, tiles_for
@@ -39,8 +40,6 @@ def tiled_attention(block: nn.Module) -> nn.Module | None:
 def tiling_refusal(model: nn.Module) -> str | None:
     """Why `model`'s blocks cannot be tiled, or None: its adapter declares grid blocks (ours) or
     packed-token blocks with their stock self-attention (Wan)."""
-    from slidefusion.adapters import ADAPTERS, adapter_for
-
     adapter = adapter_for(model)
     if adapter.token_tiling is not None:
         return token_tiling_refusal(model, adapter)
@@ -58,8 +57,6 @@ def check_tileable(model: nn.Module, blocks, frames: int, key: str = "offload.ti
     refusal = tiling_refusal(model)
     if refusal is not None:
         raise UserError(f"{key}={frames}: {refusal}; use {key}=off")
-    from slidefusion.adapters import adapter_for
-
     if adapter_for(model).token_tiling is not None:
         return
     for index, block in enumerate(blocks):
@@ -137,8 +134,6 @@ def make_runner(policy, model: nn.Module, blocks) -> WholeBlock:
 
 
 def _tokens(model: nn.Module) -> TokenBlocks | None:
-    from slidefusion.adapters import adapter_for
-
     return TokenBlocks(model) if adapter_for(model).token_tiling is not None else None
 
 
@@ -198,8 +193,6 @@ class TiledCheckpoint(torch.autograd.Function):
 
 def tile_blocks(model: nn.Module, frames: int) -> None:
     """Run every block of a resident `model` tile by tile (`frames` per tile), each a checkpoint."""
-    from slidefusion.adapters import adapter_for
-
     blocks = adapter_for(model).blocks(model)
     check_tileable(model, blocks, frames, key="tile")
     for block in blocks:

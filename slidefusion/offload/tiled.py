@@ -27,8 +27,9 @@ instance (a forward hook cannot skip the call); the block's code never changes.
 
 Backward recomputes tile by tile, each with its own small graph: weight gradients and the
 conditioning's gradients are summed over tiles (in float32 when they are lower precision), the
-gradients of the inputs tiles cut (the grid, per-token modulation) are summed by slab (halo frames receive from their neighbours' tiles; the
-gradient of a discarded halo output is zero, so duplicated work adds nothing), and in the global
+gradients of the inputs tiles cut (the grid, per-token modulation) are summed by slab (halo
+frames receive from their neighbours' tiles; the gradient of a discarded halo output is zero,
+so duplicated work adds nothing), and in the global
 case the key/value gradients of all query tiles are summed before one more pass pushes them
 through the key/value projections. Offsets (slide) get their gradients through the local path.
 The result equals untiled execution within float32 rounding.
@@ -71,8 +72,9 @@ class Site:
     answers `tile_keys` / `tile_attend` (the module itself, or `attention.redirect.StockQueryTiles`);
     rule: the attention's TileRule; flat, spec: the call's inputs (`tree_flatten((args, kwargs))`),
     the first the tokens (or grid) the block returns, cut on the same dimension; dims: per flat
-    input, the dimension tiles cut (None: used whole); unit: elements along those dimensions per slice of the rule's axis (1 on a grid
-    (B, T, H, W, C); H*W tokens per frame in a sequence (B, T*H*W, C)); length: slices on the axis."""
+    input, the dimension tiles cut (None: used whole); unit: elements along those dimensions per
+    slice of the rule's axis (1 on a grid (B, T, H, W, C); H*W tokens per frame in a sequence
+    (B, T*H*W, C)); length: slices on the axis."""
 
     inner: Callable
     attn: nn.Module

@@ -1,7 +1,8 @@
 """Long clips on the CPU: real peak memory against clip length, whole blocks vs tiled vs tiled with
 checkpoints spilled to disk, the spill's cost against host checkpoints, and the disk's bandwidth.
 
-Each (mode, clip length) runs in its own subprocess: dit3d-small with slide attention trained by
+Each (mode, clip length) runs in its own subprocess: dit3d-small with slide attention (or, with
+--model wan, a small diffusers WanTransformer3DModel: dense 3D attention, query tiles) trained by
 the offload engine (fp32, checkpoints at block boundaries) for a warm-up step and --steps timed
 steps. The child reports its VmHWM (the kernel's high-water mark of resident memory, not an
 estimate) and, separately, the VmHWM of the same process after building the model and engine
@@ -11,10 +12,13 @@ and before the first step ("idle"), so peak - idle is what the step itself neede
   tiled+spill  tiled, and every block-boundary checkpoint written to a spill file in --spill-dir
                (offload.spill_dir, offload.spill_after=0)
   host ckpt    tiled with checkpoints in host memory: the anchor of the spill overhead (= tiled)
+  tiled+spill q2  the same with the spill's disk queues two blocks deep (read ahead, write behind),
+               as before they were bounded to one: the anchor of that change (not run by default)
 Children run alternating (mode by mode inside each round, --rounds rounds) and medians are quoted.
 The disk is measured on its own too: --disk-mb written and read back through `SpillFile`.
 
     nice -n 19 python benchmarks/tiling.py --quick        # ~2 minutes on 2 cores
+    nice -n 19 python benchmarks/tiling.py --model wan --frames 4 16 --size 32 --depth 4
     nice -n 19 python benchmarks/tiling.py                # 8, 16, 32, 64 frames; writes OUT/tiling.json
     python benchmarks/tiling.py --plot runs/bench/tiling/tiling.json --png docs/tiling-memory.png
 """
@@ -33,19 +37,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = ("whole", "tiled", "tiled+spill")
+MODES = ("whole", "tiled", "tiled+spill", "tiled+spill q2")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--frames", type=int, nargs="+", default=[8, 16, 32, 64], help="latent frames per clip")
-    p.add_argument("--size", type=int, default=32, help="latent height and width (dit3d-small patches by 4)")
+    p.add_argument("--model", default="dit3d", choices=["dit3d", "wan"],
+                   help="dit3d-small with slide attention, or a small diffusers Wan (dense attention, query tiles)")
+    p.add_argument("--size", type=int, default=32, help="latent height and width (dit3d-small patches by 4, Wan by 2)")
     p.add_argument("--tile", type=int, default=4, help="frames per tile")
     p.add_argument("--depth", type=int, default=6, help="blocks (dit3d-small has 6; more blocks, more checkpoints)")
     p.add_argument("--kernel", type=int, nargs=3, default=[3, 3, 3], help="slide attention window (kt kh kw)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per child (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=2,
+                   help="timed steps per child (after one warm-up step; 0: the warm-up step alone, timed)")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds of every (mode, length)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     p.add_argument("--spill-dir", default=None, help="a folder on the disk to spill to (default: a temp folder)")
     p.add_argument("--disk-mb", type=int, default=512, help="bytes for the raw disk measurement")
     p.add_argument("--device", default="cpu")
@@ -88,50 +95,85 @@ def _peak(device) -> int:
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else _hwm_bytes()
 
 
-def run_child(spec: dict) -> dict:
-    """Build, reset the high-water mark, train; the peaks and the step and spill timings."""
+def _ours(spec: dict, device):
+    """dit3d-small with slide attention: (model, loss_fn, latents, tokens, hidden)."""
     import torch
 
     from slidefusion.models import build_model, preset
-    from slidefusion.offload import OffloadEngine, OffloadPolicy
-    from slidefusion.optim import OptimConfig
 
     torch.manual_seed(0)
     config = preset("dit3d-small", attention="slide", attention_options={"kernel_size": tuple(spec["kernel"])},
                     depth=spec["depth"])
     model = build_model(config)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, config.in_channels, spec["frames"], spec["size"], spec["size"], generator=g).to(device)
+    t, text = torch.rand(1, generator=g).to(device), torch.randn(1, 8, config.text_dim, generator=g).to(device)
+    tokens = int(x.shape[2] * (x.shape[3] // 4) * (x.shape[4] // 4))
+    return model, lambda m: (m(x, t, text) - x).pow(2).mean(), x, tokens, config.hidden
+
+
+# A small WanTransformer3DModel with Wan 2.1 14B's MLP ratio (13824 / 5120 = 2.7) and head width (128).
+WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
+           text_dim=64, freq_dim=64, ffn_dim=692, rope_max_seq_len=256)
+
+
+def _wan(spec: dict, device):
+    """A diffusers Wan (dense 3D self-attention, tiled through its stock processor): the same tuple."""
+    import diffusers
+    import torch
+
+    from slidefusion.adapters import TextConditioning, adapter_for
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WAN, num_layers=spec["depth"]).to(device)
+    adapter = adapter_for(model)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, WAN["in_channels"], spec["frames"], spec["size"], spec["size"], generator=g).to(device)
+    t, text = torch.tensor([500.0], device=device), TextConditioning(torch.randn(1, 16, WAN["text_dim"], generator=g).to(device))
+    hidden = WAN["num_attention_heads"] * WAN["attention_head_dim"]
+    return model, lambda m: (adapter.predict(m, x, t, text) - x).pow(2).mean(), x, adapter.tokens(model, x.shape), hidden
+
+
+def run_child(spec: dict) -> dict:
+    """Build, reset the high-water mark, train; the peaks and the step and spill timings."""
+    import torch
+
+    from slidefusion.offload import OffloadEngine, OffloadPolicy
+    from slidefusion.offload.training import engine_blocks
+    from slidefusion.optim import OptimConfig
+
     device = torch.device(spec["device"])
+    model, loss_fn, x, tokens, hidden = (_wan if spec.get("model") == "wan" else _ours)(spec, device)
     optim = OptimConfig(lr=1e-4, max_grad_norm=None, warmup_steps=0, ema_decay=None)
     mode = spec["mode"]
     policy = OffloadPolicy(device=spec["device"], compute_dtype=torch.float32, optim=optim,
                            tile=None if mode == "whole" else spec["tile"],
-                           spill_dir=spec["spill_dir"] if mode == "tiled+spill" else None, spill_after=0)
-    engine = OffloadEngine(model, model.blocks, policy)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, config.in_channels, spec["frames"], spec["size"], spec["size"], generator=g).to(device)
-    t, text = torch.rand(1, generator=g).to(device), torch.randn(1, 8, config.text_dim, generator=g).to(device)
-
-    def loss_fn(m):
-        return (m(x, t, text) - x).pow(2).mean()
+                           spill_dir=spec["spill_dir"] if mode.startswith("tiled+spill") else None, spill_after=0)
+    engine = OffloadEngine(model, engine_blocks(model), policy)
+    if mode.endswith(" q2"):
+        engine.checkpoints.read_ahead = engine.checkpoints.write_behind = 2
 
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     reset = _reset_hwm()
     idle = _peak(device)
+    start = time.perf_counter()
     engine.train_step(loss_fn)  # warm-up: the allocator's and the threads' first use
-    times = []
+    engine.synchronize()
+    times = [] if spec["steps"] else [time.perf_counter() - start]  # --steps 0: the warm-up step alone
     for _ in range(spec["steps"]):
         start = time.perf_counter()
         engine.train_step(loss_fn)
         engine.synchronize()
         times.append(time.perf_counter() - start)
     result = {"peak_bytes": _peak(device), "idle_bytes": idle, "hwm_reset": reset, "step_s": times,
-              "tokens": int(x.shape[2] * (x.shape[3] // 4) * (x.shape[4] // 4)), "latent_bytes": x.numel() * 4}
+              "tokens": tokens, "latent_bytes": x.numel() * 4, "block_input_bytes": tokens * hidden * 4}
     store = engine.checkpoints
     if hasattr(store, "bytes_written"):
         result.update(spill_written=store.bytes_written, spill_read=store.bytes_read, spill_write_s=store.write_s,
-                      spill_read_s=store.read_s, spill_exposed_s=store.exposed_s, direct=store.file.direct)
+                      spill_read_s=store.read_s, spill_exposed_s=store.exposed_s, direct=store.file.direct,
+                      read_peak=store.read_peak, write_peak=store.write_peak)
     engine.close()
     return result
 
@@ -141,7 +183,7 @@ def run_child(spec: dict) -> dict:
 
 def _child(args, mode: str, frames: int, spill_dir: str) -> dict:
     spec = {"mode": mode, "frames": frames, "size": args.size, "tile": args.tile, "steps": args.steps, "kernel": args.kernel,
-            "depth": args.depth,
+            "depth": args.depth, "model": args.model,
             "spill_dir": spill_dir, "device": args.device}
     # buffers over 64 KiB are mmapped, so a freed one goes back to the kernel at once and VmHWM is
     # the live peak, not whatever glibc's heap kept from an earlier step
@@ -211,14 +253,16 @@ def summary(results: dict) -> dict:
                 "peak_MiB": statistics.median(r["peak_bytes"] for r in runs) / 2**20,
                 "step_MiB": statistics.median(r["peak_bytes"] - r["idle_bytes"] for r in runs) / 2**20,
                 "step_s": statistics.median(s for r in runs for s in r["step_s"]),
-                "tokens": runs[0]["tokens"]}
+                "tokens": runs[0]["tokens"], "block_input_MiB": runs[0]["block_input_bytes"] / 2**20,
+                "latent_MiB": runs[0]["latent_bytes"] / 2**20}
             spilled = [r for r in runs if r.get("spill_written")]
             if spilled:
                 rows[frames][mode]["spill_MiB"] = statistics.median(r["spill_written"] for r in spilled) / 2**20 / (
-                    1 + results["args"]["steps"])
+                    1 + results["args"]["steps"])  # per step
                 io = sum(r["spill_write_s"] + r["spill_read_s"] for r in spilled)
                 rows[frames][mode]["spill_GBps"] = sum(r["spill_written"] + r["spill_read"] for r in spilled) / io / 1e9
                 rows[frames][mode]["exposed_s"] = statistics.median(r["spill_exposed_s"] for r in spilled)
+                rows[frames][mode]["queues_MiB"] = max(max(r["read_peak"], r["write_peak"]) for r in spilled) / 2**20
     for frames, row in rows.items():
         if "tiled" in row and "tiled+spill" in row:
             row["spill_overhead"] = row["tiled+spill"]["step_s"] / row["tiled"]["step_s"] - 1
@@ -231,7 +275,11 @@ def table(results: dict) -> str:
     for frames, row in rows.items():
         cells = [f"{row[m]['peak_MiB']:7.0f} {row[m]['step_MiB']:7.0f} {row[m]['step_s']:6.2f}" for m in results["runs"]]
         overhead = f"{row['spill_overhead']:+.1%}" if "spill_overhead" in row else "-"
-        lines.append(f"{frames:>6} {next(iter(row.values()))['tokens']:>6} | " + " | ".join(cells) + f" | {overhead}")
+        first = next(v for k, v in row.items() if k != "spill_overhead")
+        queues = " ".join(f"{m}: {row[m]['queues_MiB']:.1f}" for m in results["runs"] if "queues_MiB" in row[m])
+        lines.append(f"{frames:>6} {first['tokens']:>6} | " + " | ".join(cells) + f" | {overhead}"
+                     f" | one block input {first['block_input_MiB']:.1f} MiB, latents {first['latent_MiB']:.1f} MiB"
+                     + (f"; disk queues at most {queues} MiB" if queues else ""))
     lines.append(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
                  f"({'O_DIRECT' if disk['direct'] else 'buffered'}, {disk['bytes'] >> 20} MiB)")
     return "\n".join(lines)
@@ -249,12 +297,14 @@ def plot(results: dict, png: str) -> None:
     args = results["args"]
     for mode in results["runs"]:
         ax.plot([int(f) for f in frames], [rows[f][mode]["step_MiB"] for f in frames], marker="o", label=mode)
-    side = args["size"] // 4
+    wan = args.get("model") == "wan"
+    side = args["size"] // (2 if wan else 4)
     ax.set_xlabel(f"clip length (latent frames, {side}x{side} tokens each)")
     ax.set_ylabel("step peak - idle RSS (MiB, VmHWM)")
     ax.set_xscale("log", base=2)
     ax.set_xticks([int(f) for f in frames], frames)
-    ax.set_title(f"dit3d-small, slide attention, offload engine fp32; tile {args['tile']} frames")
+    name = "a small diffusers Wan, dense attention" if wan else "dit3d-small, slide attention"
+    ax.set_title(f"{name}, offload engine fp32; tile {args['tile']} frames")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

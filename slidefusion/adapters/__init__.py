@@ -7,8 +7,8 @@ own DiT3D/STDiT), read by generic functions, so engines never special-case a cla
 """
 
 from slidefusion.adapters.base import ModelAdapter, config_value
-from slidefusion.adapters.records import AttentionSite, BlockList, Objective, TextConditioning, TextSpec
+from slidefusion.adapters.records import AttentionSite, BlockList, Objective, TextConditioning, TextSpec, TokenArg, TokenTiling
 from slidefusion.adapters.registry import ADAPTERS, DIFFUSERS_CLASSES, adapter_for, adapter_for_class, supported_classes
 
 __all__ = ["ADAPTERS", "DIFFUSERS_CLASSES", "AttentionSite", "BlockList", "ModelAdapter", "Objective",
-           "TextConditioning", "TextSpec", "adapter_for", "adapter_for_class", "config_value", "supported_classes"]
+           "TextConditioning", "TextSpec", "TokenArg", "TokenTiling", "adapter_for", "adapter_for_class", "config_value", "supported_classes"]

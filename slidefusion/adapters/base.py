@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slidefusion.adapters.records import AttentionSite, BlockList, Objective, TextConditioning, TextSpec
+from slidefusion.adapters.records import AttentionSite, BlockList, Objective, TextConditioning, TextSpec, TokenTiling
 from slidefusion.errors import check
 
 # (adapter, model, latents (B, C, T, H, W), timesteps, text) -> raw output (B, C_out, T, H, W)
@@ -63,7 +63,9 @@ class ModelAdapter:
     fps: the frame rate the family's examples write videos at (`export_to_video(..., fps=)`);
     grid_blocks: each block takes the token grid (B, T, H, W, C) as its first argument, returns
         one like it, and outside its self-attention works per token or per sample, so a block can
-        run on a slab of the grid (what `offload.tiled` relies on; foreign blocks: False).
+        run on a slab of the grid (what `offload.tiled` relies on; foreign blocks: False);
+    token_tiling: for blocks on packed video tokens, how they run on a range of frames (`TokenTiling`;
+        None: not tileable).
     """
 
     family: str
@@ -86,6 +88,7 @@ class ModelAdapter:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     fps: int = 16
     grid_blocks: bool = False
+    token_tiling: TokenTiling | None = None
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""

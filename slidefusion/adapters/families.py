@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from slidefusion.adapters.base import ModelAdapter
-from slidefusion.adapters.records import BlockList, Objective, TextConditioning, TextSpec
+from slidefusion.adapters.records import BlockList, Objective, TextConditioning, TextSpec, TokenArg, TokenTiling
 from slidefusion.errors import check
 
 T5 = ("T5EncoderModel",)
@@ -48,6 +48,10 @@ WAN = ModelAdapter(
     pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     options=MappingProxyType({"expand_timesteps": False}),
     check_latents=_check_wan,
+    # WanTransformerBlock.forward(hidden_states, encoder_hidden_states, temb, rotary_emb): the RoPE
+    # tables are (1, N, 1, D) each; temb is (B, 6, C), or (B, N, 6, C) with expand_timesteps (2.2 TI2V)
+    token_tiling=TokenTiling(MappingProxyType({"hidden_states": TokenArg(1), "temb": TokenArg(1, ndim=4),
+                                               "rotary_emb": TokenArg(1)}), ("WanAttnProcessor",)),
 )
 
 
@@ -160,6 +164,10 @@ LTX = ModelAdapter(
     # LTXPipeline: (VAE temporal compression / frame_rate, spatial, spatial) = (8 / 25, 32, 32) by default
     options=MappingProxyType({"rope_interpolation_scale": (8 / 25, 32, 32)}),
     schedule="shifted-linspace", fps=24,
+    # LTXVideoTransformerBlock.forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+    # encoder_attention_mask): RoPE (B, N, D) each; temb (B, 1, 6C), or (B, N, 6C) for per-token timesteps
+    token_tiling=TokenTiling(MappingProxyType({"hidden_states": TokenArg(1), "temb": TokenArg(1, sized=True),
+                                               "image_rotary_emb": TokenArg(1)}), ("LTXVideoAttnProcessor",)),
 )
 
 

@@ -7,6 +7,7 @@ plans all read one definition per fact.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,35 @@ class BlockList:
 
     def __post_init__(self):
         assert self.kind is None or self.kind in BLOCK_KINDS, self.kind
+
+
+@dataclass(frozen=True)
+class TokenArg:
+    """One argument of a block's forward that holds per-video-token tensors (a tuple of them: each):
+    `dim` is their token dimension; with `ndim`, only a tensor of that rank is per token (Wan's
+    timestep modulation is (B, 6, C), per sample, in 2.1 and (B, N, 6, C), per token, in 2.2 TI2V);
+    with `sized`, only a tensor whose size on `dim` is the token count (LTX's (B, 1 or N, 6C))."""
+
+    dim: int = 1
+    ndim: int | None = None
+    sized: bool = False
+
+
+@dataclass(frozen=True)
+class TokenTiling:
+    """How a family's blocks run on a range of frames of their video tokens (`offload.tile`).
+
+    The blocks take the video tokens (B, N, C) first, N = T*H*W in frame-major order (token
+    (t*H + h)*W + w), and return them; outside the self-attention (`BlockList.attention`) each op
+    is per token (norms, modulation, cross-attention to text, MLP) or per sample. The self-attention
+    is dense over the whole clip, so a tile's queries run against every token's keys and values.
+    per_token: the block forward's arguments that hold per-token tensors, by name (the first one
+    included); processors: the stock processor classes of that self-attention for which this is
+    exact (projections, QK-norm and RoPE per token, one softmax attention over video tokens alone).
+    """
+
+    per_token: Mapping[str, TokenArg]
+    processors: tuple[str, ...]
 
 
 @dataclass(frozen=True)

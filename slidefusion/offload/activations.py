@@ -97,6 +97,19 @@ def halo_flops_factor(work: Workload, tile: int | None) -> float:
     return (min(work.frames, tile + 2 * halo) - tile) / tile
 
 
+def tiling_flops(shape, work: Workload, tile: int | None, attention_flops: float) -> float:
+    """Extra FLOP per block and step of tiling (`attention_flops`: one forward's attention): halo
+    frames computed twice (attention and QKV; forward, recompute and 2x backward), or, for dense
+    query tiles, `shape.query_tile_projections` d x d projections per token again (the key/value
+    pre-pass and the stock processor's unused projections)."""
+    if tile is None or tile >= work.frames:
+        return 0.0
+    tokens = work.batch * work.tokens
+    if work.halo() is None:
+        return 2.0 * shape.query_tile_projections * shape.hidden ** 2 * tokens
+    return 4 * halo_flops_factor(work, tile) * (attention_flops + 2 * 3 * shape.hidden ** 2 * tokens)
+
+
 def place_checkpoints(plan, checkpoints: int, disk: int | None, device_spare: int | None) -> None:
     """On the device if they fit in its `device_spare` bytes (None: no limit), else host memory up
     to its spare room and the rest on `disk` (bytes free there; None: no disk, all on the host)."""

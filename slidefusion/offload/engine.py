@@ -201,6 +201,7 @@ class OffloadEngine:
         """Finish pending updates, stop the threads and give back a plain host model."""
         self.synchronize()
         remove_hooks(self)
+        self.runner.close()
         self.checkpoints.close()
         for target in (self.h2d, self.d2h, self.worker):
             target.close()

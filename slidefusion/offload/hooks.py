@@ -34,6 +34,9 @@ class WholeBlock:
             out = self.forward(block, params, args, kwargs)
         return input_and_weight_grads((weights, tree_flatten((args, kwargs))[0], out), grad_outputs)
 
+    def close(self) -> None:
+        """The engine closes (a runner with hooks on the model removes them)."""
+
 
 class KeptCheckpoints:
     """Block-boundary checkpoints kept where they are (device memory), as autograd would keep them."""

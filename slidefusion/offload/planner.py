@@ -35,6 +35,7 @@ from slidefusion.offload.activations import (  # noqa: F401  (re-exported)
     activation_parts,
     attention_workspace,
     halo_flops_factor,
+    tiling_flops,
     place_checkpoints,
 )
 from slidefusion.offload.formats import update_bytes_per_param
@@ -75,8 +76,8 @@ def plan_training(model, work: Workload, gpu_memory: int, host_memory: int, pcie
     space = (gpu_memory, host_memory, disk)
     if tile is not None and not shape.tileable:
         if tile != "auto":
-            raise UserError(f"--tile={tile}: the blocks of {shape.name} do not declare the halo of their attention "
-                            "(diffusers blocks take packed tokens), so they cannot be tiled; use --tile off or auto")
+            raise UserError(f"--tile={tile}: the blocks of {shape.name} cannot be tiled (the halo of their attention is "
+                            "unknown; tileable: ours and Wan); use --tile off or auto")
         tile = None  # auto: whole blocks
     if tile == "auto":
         tile = _auto_tile(shape, work, choice, space)
@@ -146,8 +147,8 @@ def _time(plan: Plan, shape: ModelShape, work: Workload, choice: StateChoice, ra
     plan.disk_traffic = 2 * sum(plan.disk.values())  # written in forward, read in backward
     attention = attention_workspace(work, shape.heads, shape.hidden, size)[1]
     cross = 4.0 * tokens * shape.text_tokens * shape.hidden
-    halo = halo_flops_factor(work, plan.tile) * (attention + 2 * 3 * shape.hidden ** 2 * tokens)  # attention + QKV again
-    flops = 4 * (2 * shape.params * tokens + (attention + cross + halo) * len(blocks))  # forward, recompute, 2x backward
+    tiling = tiling_flops(shape, work, plan.tile, attention) * len(blocks)
+    flops = 4 * (2 * shape.params * tokens + (attention + cross) * len(blocks)) + tiling  # forward, recompute, 2x backward
     parts = {"compute": flops / (tflops * 1e12 * mfu), "PCIe": plan.pcie_bytes / pcie,
              "host AdamW": shape.params * update_bytes_per_param(choice.compute_dtype, choice.master, choice.moments,
                                                                  choice.rounding) / host_rate}
@@ -156,11 +157,17 @@ def _time(plan: Plan, shape: ModelShape, work: Workload, choice: StateChoice, ra
     plan.step_s, plan.flops = max(parts.values()), flops
     plan.notes.append(f"{shape.params / 1e9:.2f} B parameters in {len(blocks)} blocks of {max(blocks) / 1e9:.3g} B; "
                       f"{work.tokens} tokens per sample; {choice.resident_blocks} blocks resident")
+    extra = f"; tiling adds {tiling:.3g}: {_tiling_work(work)}" if tiling else ""
     plan.notes.append(f"{flops:.3g} FLOP per step ({6 * shape.params * tokens:.3g} of them 6 x params x tokens; forward, "
-                      f"recompute and backward, attention{' and tile halos' if halo else ''} included)")
+                      f"recompute and backward, attention included{extra})")
     plan.notes.append("step time = max(" + ", ".join(f"{k} {v:.3g} s" for k, v in parts.items()) + f"), assuming "
                       f"{tflops:g} TFLOP/s at {mfu:.0%} MFU, {human(pcie)}/s PCIe, host AdamW at {human(host_rate)}/s"
                       + (f", disk at {human(disk_rate)}/s" if plan.disk_traffic and disk_rate else ""))
+
+
+def _tiling_work(work: Workload) -> str:
+    return ("the keys and values of every tile computed before its queries" if work.halo() is None
+            else "halo frames computed twice")
 
 
 def report(plan: Plan, title: str) -> str:

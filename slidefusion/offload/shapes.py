@@ -25,7 +25,11 @@ class ModelShape:
     patch: tuple[int, int, int]
     attention: str  # the model's own self-attention: dense | window | slide | flash
     text_tokens: int = 0  # cross-attention keys per sample (0: not counted)
-    tileable: bool = True  # blocks run on a slab of the grid with a declared halo (`offload.tile`)
+    tileable: bool = True  # blocks run tile by tile (`offload.tile`): a declared halo, or dense query tiles
+    # d x d projections per token a step computes again when dense attention is query-tiled: ours
+    # compute keys/values and queries apart (2, in backward); a stock diffusers processor makes all
+    # three each time (9: 3 in forward, 6 in backward; see offload.token_tiles)
+    query_tile_projections: int = 2
 
     @property
     def params(self) -> int:
@@ -40,6 +44,7 @@ WAN_COMMON = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, 
 WAN_PRESETS = {"wan2.1-1.3b": dict(WAN_COMMON, num_attention_heads=12, ffn_dim=8960, num_layers=30),
                "wan2.1-14b": dict(WAN_COMMON, num_attention_heads=40, ffn_dim=13824, num_layers=40)}
 WAN_TEXT_TOKENS = 512
+STOCK_QUERY_TILE_PROJECTIONS = 9  # see ModelShape.query_tile_projections
 SUPPORTED_CLASSES = ("WanTransformer3DModel",)
 
 
@@ -66,7 +71,7 @@ def wan_shape(cfg: dict, name: str) -> ModelShape:
     block, rest = wan_params(cfg)
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     return ModelShape(name, (block,) * cfg["num_layers"], rest, d, cfg["num_attention_heads"], cfg["ffn_dim"] / d,
-                      tuple(cfg["patch_size"]), "flash", WAN_TEXT_TOKENS, tileable=False)
+                      tuple(cfg["patch_size"]), "flash", WAN_TEXT_TOKENS, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
 def shape_of_config(config, name: str = "") -> ModelShape:

@@ -6,9 +6,10 @@ Tile size: `frames` frames of the token grid per tile (rows for attention along 
 number of tokens). A tile size of at least the clip's frames is clamped to the clip: the blocks then
 run whole, with one note (a config's tile size is fixed while clips vary in length, so this is not
 an error). A tile size below 1 is refused where it is configured (`OffloadPolicy`, `OffloadConfig`).
-Tiling needs to know the halo of each block's self-attention: a model whose adapter does not declare
-grid blocks, or a block without an attention module that declares `tile_rule`, is refused with one
-line before any step.
+Tiling needs to know the halo of each block's self-attention: a model whose adapter declares neither
+grid blocks (ours) nor packed-token blocks (`TokenTiling`: Wan, see `token_tiles`), a block without
+an attention module that declares `tile_rule`, or a Wan whose self-attention was swapped (slide
+attention on packed tokens declares no halo), is refused with one line before any step.
 """
 
 import warnings
@@ -17,9 +18,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from slidefusion.adapters import ADAPTERS, adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.offload.hooks import WholeBlock
 from slidefusion.offload.tiled import Site, Sums, forward_tiles, grad_tiles, stand_in, tiles_for
+from slidefusion.offload.token_tiles import TokenBlocks, token_tiling_refusal
 
 
 def tiled_attention(block: nn.Module) -> nn.Module | None:
@@ -34,15 +37,28 @@ def tiled_attention(block: nn.Module) -> nn.Module | None:
     return found[0][1] if found else None
 
 
+def tiling_refusal(model: nn.Module) -> str | None:
+    """Why `model`'s blocks cannot be tiled, or None: its adapter declares grid blocks (ours) or
+    packed-token blocks with their stock self-attention (Wan)."""
+    adapter = adapter_for(model)
+    if adapter.token_tiling is not None:
+        return token_tiling_refusal(model, adapter)
+    if not adapter.grid_blocks:
+        tileable = ", ".join(a.class_name for a in ADAPTERS.values() if a.grid_blocks or a.token_tiling)
+        return (f"{type(model).__name__}'s blocks are not declared tileable (tileable: {tileable}; "
+                "the halo of its attention is unknown)")
+    return None
+
+
 def check_tileable(model: nn.Module, blocks, frames: int, key: str = "offload.tile") -> None:
     """A one-line UserError unless every block of `model` can be tiled."""
-    from slidefusion.adapters import adapter_for
-
     check(isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1,
           f"{key}={frames!r} must be a number of frames >= 1 (or auto, off)")
-    if not adapter_for(model).grid_blocks:
-        raise UserError(f"{key}={frames}: {type(model).__name__}'s blocks are not declared tileable "
-                        f"(the halo of their attention is unknown); use {key}=off")
+    refusal = tiling_refusal(model)
+    if refusal is not None:
+        raise UserError(f"{key}={frames}: {refusal}; use {key}=off")
+    if adapter_for(model).token_tiling is not None:
+        return
     for index, block in enumerate(blocks):
         if tiled_attention(block) is None:
             raise UserError(f"{key}={frames}: block {index} ({type(block).__name__}) has no self-attention that "
@@ -51,44 +67,53 @@ def check_tileable(model: nn.Module, blocks, frames: int, key: str = "offload.ti
 
 class TiledBlock(WholeBlock):
     """The engine's block runner, tile by tile (see `tiled`); a block the tiles would not cut
-    (one tile covers it) runs whole."""
+    (one tile covers it) runs whole. `tokens`: for packed-token blocks (Wan), what the model's
+    record says of them (`token_tiles.TokenBlocks`); None: grid blocks (ours)."""
 
-    def __init__(self, frames: int):
-        self.frames, self.noted = frames, False
+    def __init__(self, frames: int, tokens: TokenBlocks | None = None):
+        self.frames, self.noted, self.tokens = frames, False, tokens
         self.attention: dict[int, nn.Module] = {}
 
     def site(self, block: nn.Module, args, kwargs):
         """(Site, tiles) for this call, or (None, None) to run the block whole."""
-        attn = self.attention.get(id(block)) or self.attention.setdefault(id(block), tiled_attention(block))
-        x = args[0] if args else None
-        check(torch.is_tensor(x) and x.dim() == 5, f"tiling needs blocks called with the token grid (B, T, H, W, C) first, "
-                                                   f"not {type(x).__name__}")
-        rule = attn.tile_rule(tuple(x.shape[1:4]))
-        tiles = tiles_for(rule, x.shape, self.frames)
-        if self.frames > x.shape[1] and not self.noted:
+        flat, spec = tree_flatten((args, kwargs))
+        if self.tokens is not None:
+            ops, dims, grid = self.tokens.cut(block, args, kwargs, flat)
+            attn, unit = ops.attn, grid[1] * grid[2]
+            rule = ops.tile_rule(grid)
+        else:
+            attn = self.attention.get(id(block)) or self.attention.setdefault(id(block), tiled_attention(block))
+            x = args[0] if args else None
+            check(torch.is_tensor(x) and x.dim() == 5, f"tiling needs blocks called with the token grid (B, T, H, W, C) "
+                                                       f"first, not {type(x).__name__}")
+            ops, grid, unit = attn, tuple(x.shape[1:4]), 1
+            rule = attn.tile_rule(grid)
+            dims = [rule.axis] + [None] * (len(flat) - 1)
+        tiles = tiles_for(rule, grid, self.frames)
+        if self.frames > grid[0] and not self.noted:
             self.noted = True
-            warnings.warn(f"offload.tile={self.frames} frames is more than the clip's {x.shape[1]}: clamped, the blocks run untiled")
+            warnings.warn(f"offload.tile={self.frames} frames is more than the clip's {grid[0]}: clamped, the blocks run untiled")
         if len(tiles) == 1:
             return None, None
-        return Site(block.forward, attn, rule, tuple(args[1:]), dict(kwargs)), tiles
+        return Site(block.forward, attn, ops, rule, flat, spec, dims, unit, grid[rule.axis - 1]), tiles
 
     def forward(self, block, params, args, kwargs):
         site, tiles = self.site(block, args, kwargs)
         if site is None:
             return super().forward(block, params, args, kwargs)
-        return _within(block, params, lambda: forward_tiles(site, args[0], tiles))
+        return _within(block, params, lambda: forward_tiles(site, tiles))
 
     def grads(self, block, params, args, kwargs, grad_outputs, weights: list) -> tuple[list, list]:
         site, tiles = self.site(block, args, kwargs)
         if site is None:
             return super().grads(block, params, args, kwargs, grad_outputs, weights)
-        flat = tree_flatten((args, kwargs))[0]
-        needs = [torch.is_tensor(t) and t.requires_grad for t in flat]
-        sums = Sums(args[0], [t for t, n in zip(flat[1:], needs[1:]) if n], list(weights))
-        _within(block, params, lambda: grad_tiles(site, args[0], tiles, grad_outputs[0], sums))
-        grid, others, weight_grads = sums.result()
-        others = iter(others)
-        return [grid] + [next(others) if n else None for n in needs[1:]], weight_grads
+        sums = Sums(site, list(weights))
+        _within(block, params, lambda: grad_tiles(site, tiles, grad_outputs[0], sums))
+        return sums.result()
+
+    def close(self) -> None:
+        if self.tokens is not None:
+            self.tokens.close()
 
 
 def _within(block: nn.Module, params, work):
@@ -105,7 +130,11 @@ def make_runner(policy, model: nn.Module, blocks) -> WholeBlock:
     if policy.tile is None:
         return WholeBlock()
     check_tileable(model, blocks, policy.tile)
-    return TiledBlock(policy.tile)
+    return TiledBlock(policy.tile, _tokens(model))
+
+
+def _tokens(model: nn.Module) -> TokenBlocks | None:
+    return TokenBlocks(model) if adapter_for(model).token_tiling is not None else None
 
 
 # -- a resident model ------------------------------------------------------------------------------
@@ -164,18 +193,22 @@ class TiledCheckpoint(torch.autograd.Function):
 
 def tile_blocks(model: nn.Module, frames: int) -> None:
     """Run every block of a resident `model` tile by tile (`frames` per tile), each a checkpoint."""
-    from slidefusion.adapters import adapter_for
-
     blocks = adapter_for(model).blocks(model)
     check_tileable(model, blocks, frames, key="tile")
-    runner = TiledBlock(frames)
     for block in blocks:
         check(not isinstance(block.__dict__.get("forward"), TileHook), "tile_blocks: the model is already tiled")
+    runner = TiledBlock(frames, _tokens(model))
+    for block in blocks:
         block.forward = TileHook(runner, block, block.forward)
 
 
 def untile_blocks(model: nn.Module) -> None:
     """Undo `tile_blocks`."""
+    runners = set()
     for block in model.modules():
-        if isinstance(block.__dict__.get("forward"), TileHook):
+        hook = block.__dict__.get("forward")
+        if isinstance(hook, TileHook):
+            if id(hook.runner) not in runners:
+                runners.add(id(hook.runner))
+                hook.runner.close()
             del block.forward

@@ -15,18 +15,16 @@ submodule, so it trains, is saved and streams with its block.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from slidefusion.attention import effective_kernel, joint_attention, slide_attention
+from slidefusion.attention.redirect import RedirectAttention, native_copy
 from slidefusion.errors import UserError, check
 from slidefusion.processors.records import Triple, view_grid
 
@@ -52,24 +50,6 @@ class SitePlan:
     backend: str
 
 
-class _Redirect(TorchFunctionMode):
-    """Answers `F.scaled_dot_product_attention` with `attend`; every other torch function runs as is."""
-
-    def __init__(self, attend):
-        super().__init__()
-        self.attend, self.calls = attend, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            self.calls += 1
-            return self.attend(*args, **kwargs)
-        if func is Tensor.unflatten:
-            # Same op; Dynamo cannot trace Tensor.unflatten's super() call from inside a mode.
-            return torch.unflatten(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
 class SlideProcessor:
     """Base of the per-stock-class processors `slide_processor_class` makes (they differ only in the
     call signature diffusers inspects to filter keyword arguments)."""
@@ -78,17 +58,15 @@ class SlideProcessor:
         self.stock, self.plan, self.state = stock, plan, state
         # Our own copy of the stock processor on the native backend: the only one that reaches
         # F.scaled_dot_product_attention (flash / sage backends would bypass the redirect).
-        self.inner = copy.copy(stock)
+        self.inner = native_copy(stock)
         if getattr(stock, "_parallel_config", None) is not None:
             raise UserError(f"{plan.path}: slide attention cannot run under diffusers' context parallelism")
-        if hasattr(stock, "_attention_backend"):
-            self.inner._attention_backend = "native"
 
     def run(self, attn, args: tuple, kwargs: dict):
         grid = self.state.grid
         check(grid is not None, f"{self.plan.path}: slide attention needs the token grid, which the transformer's "
                                 "forward provides; call the transformer, not the attention module alone")
-        redirect = _Redirect(functools.partial(self.attend, attn, view_grid(self.plan.kind, grid)))
+        redirect = RedirectAttention(functools.partial(self.attend, attn, view_grid(self.plan.kind, grid)))
         with redirect:
             out = self.inner(attn, *args, **kwargs)
         if redirect.calls == 0:

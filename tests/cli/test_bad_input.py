@@ -257,12 +257,12 @@ CASES = [
     ("experiment bogus", "invalid choice"),
     # tiled blocks and spilled checkpoints (issue 12)
     ("{plan} --tile 0", "--tile"), ("{plan} --tile -2", "--tile"), ("{plan} --tile few", "--tile"),
-    ("plan --model wan2.1-1.3b --frames 81 --height 480 --width 832 --tile 4", "--tile=4: the blocks of wan2.1-1.3b"),
     ("train {tiny} --offload offload.spill_dir={cwd}/nowhere run.output_dir={cwd}/r {small}", "offload.spill_dir="),
     ("train {tiny} --offload offload.spill_dir={file} run.output_dir={cwd}/r {small}", "is not an existing folder"),
     ("train {tiny} --offload offload.spill_dir=/sys run.output_dir={cwd}/r {small}", "is not writable"),
     ("train {tiny} offload.tile=2 offload.checkpoint=false run.output_dir={cwd}/r {small}", "offload.checkpoint=true"),
-    ("{ft} --offload offload.tile=2", "offload.tile=2: WanTransformer3DModel's blocks are not declared tileable"),
+    ("{ft} --offload offload.tile=1 model.attention=slide",
+     "offload.tile=1: blocks.0.attn1 runs SlideWanAttnProcessor; tiling WanTransformer3DModel's blocks needs its stock"),
     ("{ft} --offload offload.spill_dir={cwd}/nowhere", "offload.spill_dir="),
 ]
 

@@ -8,7 +8,7 @@ import pytest
 
 from slidefusion.cli import main
 from slidefusion.models import preset
-from slidefusion.offload.planner import Workload, grid_for, plan_training
+from slidefusion.offload.planner import Workload, grid_for, model_shape, plan_training
 
 H200 = {"gpu_memory": 141e9, "host_memory": 1.5e12, "pcie_bytes_s": 55e9, "tflops": 990}
 PAPER = ["plan", "--model", "dit3d-105b", "--frames", "256", "--height", "1080", "--width", "1920", "--attention", "slide",
@@ -83,3 +83,23 @@ def test_train_with_tiles_and_spill_from_the_command_line(tmp_path, capsys):
         losses[name] = float(re.search(r"final loss ([\d.]+)", capsys.readouterr().out).group(1))
     assert losses["tiled"] == pytest.approx(losses["whole"], rel=1e-4) and losses["auto"] == losses["whole"]
     assert list(spill.iterdir()) == []
+
+
+def test_wan_blocks_are_tiled_by_the_planner(tiny_wan_dir, capsys):
+    """Wan (a folder, a preset): dense query tiles against the whole clip's keys and values, their
+    pre-pass in the step's FLOPs; auto keeps whole blocks where they fit and tiles where they do not."""
+    assert main(["plan", "--model", str(tiny_wan_dir), "--frames", "9", "--height", "48", "--width", "80", "--tile", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tiling: 1 frames per tile" in out and "keys and values of the whole clip, and their fp32 gradients" in out
+    assert "tiling adds" in out and "verdict: fits" in out
+    shape = model_shape("wan2.1-14b")
+    grid = grid_for(81, 720, 1280, shape.patch, (4, 8, 8))  # 21 x 45 x 80 = 75,600 tokens
+    work = Workload(1, grid[0] * grid[1] * grid[2], "flash", frames=grid[0])
+    sizes = {**H200, "host_memory": 512e9}
+    assert plan_training(shape, work, **{**sizes, "tile": "auto"}).tile is None  # whole blocks fit in 141 GB
+    small = {**sizes, "gpu_memory": 20e9}
+    whole, auto = plan_training(shape, work, **small), plan_training(shape, work, **{**small, "tile": "auto"})
+    assert not whole.fits and auto.fits and 1 <= auto.tile < grid[0]
+    assert not plan_training(shape, work, **{**small, "tile": auto.tile + 1}).fits
+    # the key/value pre-pass and the stock processor's extra projections: 9 d x d per token and block
+    assert auto.flops - whole.flops == pytest.approx(2 * 9 * shape.hidden ** 2 * work.tokens * 40)

@@ -76,6 +76,22 @@ def test_spilled_checkpoints_are_bitwise_host_checkpoints(tmp_path, tile, budget
     reference.close()
 
 
+def test_the_disk_queues_hold_one_block(tmp_path):
+    """Beside the block in use the store holds one block being written (forward) and one read ahead
+    (backward), not more, and the results stay bitwise those of host checkpoints."""
+    model = _model()
+    reference = _engine(copy.deepcopy(model), tile=2)
+    engine = _engine(model, tile=2)
+    store = _store(engine, tmp_path)
+    assert _run(engine) == _run(reference)
+    _bitwise(engine.model_state_dict(), reference.model_state_dict())
+    # block 0's entry also holds the conditioning every block shares (a few KiB): one entry, not two
+    assert BLOCK <= store.read_peak < 2 * BLOCK and BLOCK <= store.write_peak < 2 * BLOCK
+    assert store.reading == store.writing == 0
+    engine.close()
+    reference.close()
+
+
 def test_the_policy_spills_through_the_engine(tmp_path):
     """offload.spill_dir through OffloadPolicy (the store the trainer gets), and nothing left behind."""
     model = _model()

@@ -76,6 +76,23 @@ def test_wan_fine_tunes_offloaded_as_resident_and_caches_once(tiny_pipeline_dir,
     assert text["states"].shape[0] < 512 and "mask" not in text  # Wan's zero padding is not stored
 
 
+def test_wan_fine_tunes_tiled_as_whole_blocks(tiny_pipeline_dir, tmp_path, monkeypatch):
+    """`train --offload offload.tile=2` on a Wan folder of 3 latent frames (the tile does not divide
+    them): the self-attention sees 2-frame query tiles, and training equals whole blocks up to the
+    order of summation."""
+    from slidefusion.attention.redirect import StockQueryTiles
+    from slidefusion.pretrained import load_transformer
+
+    folder, frames = tiny_pipeline_dir("wan"), "data.frames=9"
+    whole = _run(folder, "wan", tmp_path, "whole", "--offload", frames)
+    queries, attend = [], StockQueryTiles.tile_attend
+    monkeypatch.setattr(StockQueryTiles, "tile_attend", lambda self, y, *a, **k: queries.append(y.shape[1]) or attend(self, y, *a, **k))
+    tiled = _run(folder, "wan", tmp_path, "tiled", "--offload", "offload.tile=2", frames)
+    assert set(queries) == {2 * 3 * 5, 1 * 3 * 5}  # 3x5 tokens per frame: tiles [0, 2) and [2, 3)
+    torch.testing.assert_close(tiled[0], whole[0], rtol=1e-5, atol=0)
+    _close(tiled[1], whole[1], load_transformer(folder).state_dict())
+
+
 @pytest.mark.parametrize("family", ["cogvideox", "hunyuanvideo", "ltx", "mochi", "latte"])
 def test_every_family_fine_tunes_offloaded_as_resident(tiny_pipeline_dir, tmp_path, family):
     from slidefusion.pretrained import load_transformer

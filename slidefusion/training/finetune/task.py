@@ -31,9 +31,9 @@ from torch import nn
 
 from slidefusion import memory
 from slidefusion.errors import UserError, check
-from slidefusion.offload.shapes import ModelShape
+from slidefusion.offload.shapes import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
 from slidefusion.offload.spill import check_spill_dir
-from slidefusion.offload.tile_runner import check_tileable
+from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
@@ -55,7 +55,7 @@ def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
     ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
     rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
     return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
-                      tileable=adapter.grid_blocks)
+                      tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
 def dataset_caption(dataset, index: int) -> str:

@@ -15,6 +15,7 @@ from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.optim import OptimConfig
+from slidefusion.testing.delays import inject_delays
 
 LR, WD = 3e-3, 0.1
 
@@ -167,7 +168,6 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.testing.delays import inject_delays
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -189,6 +189,14 @@ def with_clear_path(obj: ShapeObject, frames: int, height: int, width: int, shar
                    start_x=_clear_start(obj.start_x, dx, abs(dx) * travel, r, width, share))
 
 
+def with_start(obj: ShapeObject, start: str, frames: int, height: int, width: int) -> ShapeObject:
+    """`obj` placed as the start mode `start` (START_MODES) places it in a clip of that size."""
+    _valid("start", start, START_MODES)
+    if start == "uniform":
+        return obj
+    return with_clear_path(obj, frames, height, width, share=BEHIND_SHARE if start == "behind" else 1.0)
+
+
 def sample_scene(
     rng: np.random.Generator, max_objects: int = 2, backgrounds: Sequence[str] | None = None,
     start: str = "uniform", clip: tuple[int, int, int] | None = None,
@@ -208,8 +216,7 @@ def sample_scene(
     colors = rng.choice(len(COLORS), size=count, replace=False)
     objects = tuple(_sample_object(rng, list(COLORS)[c]) for c in colors)
     if start != "uniform":
-        share = BEHIND_SHARE if start == "behind" else 1.0
-        objects = tuple(with_clear_path(o, *clip, share=share) for o in objects)
+        objects = tuple(with_start(o, start, *clip) for o in objects)
     return ShapeScene(objects=objects, background=allowed[rng.integers(len(allowed))])
 
 

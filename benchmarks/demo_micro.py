@@ -11,7 +11,8 @@ ideal gap at t = 1 (pure noise) is printed first, from 400 rendered clips per ca
 
     python benchmarks/demo_micro.py --steps 1000                                 # direction, "behind" starts
     python benchmarks/demo_micro.py --steps 500 --vary colour                    # the control
-    python benchmarks/demo_micro.py --steps 500 --context random --t-range 0.9 1  # distinct random contexts
+    python benchmarks/demo_micro.py --steps 400 --t-range 0.9 1 --times 0.98 0.995 1  # near pure noise
+    python benchmarks/demo_micro.py --steps 400 --context random --t-range 0.8 1    # distinct random contexts
 """
 
 import argparse
@@ -47,7 +48,7 @@ def _contexts(args) -> tuple[torch.Tensor, torch.Tensor]:
     states, mask = MiniLMEncoder().encode([f"a {c} circle moving {d} quickly on a black background" for c, d in words])
     if args.context == "random":  # every token of caption k is the same random vector: nothing shared
         noise = torch.randn(4, 1, states.shape[-1], generator=torch.Generator().manual_seed(5))
-        states = noise.expand_as(states).contiguous() * states.norm(dim=-1).mean()
+        states = noise.expand_as(states).contiguous()
     return states, mask
 
 

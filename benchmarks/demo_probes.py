@@ -54,7 +54,7 @@ from slidefusion.data.shapes import (  # noqa: E402
     caption,
     object_centers,
     render,
-    with_clear_path,
+    with_start,
 )
 from slidefusion.data.video_io import from_uint8  # noqa: E402
 from slidefusion.eval import detect  # noqa: E402
@@ -289,7 +289,7 @@ def _candidates(obj, background: str, count: int, start: str, clip, rng) -> torc
     for _ in range(count):
         cand = replace(obj, size=float(rng.uniform(*SIZE_RANGE)), start_y=float(rng.uniform(*START_RANGE)),
                        start_x=float(rng.uniform(*START_RANGE)))
-        cand = with_clear_path(cand, frames, height, width) if start == "clear" else cand
+        cand = with_start(cand, start, frames, height, width)
         videos.append(from_uint8(render(ShapeScene((cand,), background), frames, height, width)))
     return torch.stack(videos)
 

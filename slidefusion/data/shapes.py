@@ -59,8 +59,11 @@ START_RANGE = (0.2, 0.8)  # sampled start centre, fraction of each side
 MIN_RADIUS_PX = 1.0  # keeps every shape at least ~2 px across, even in a 5x7 frame
 # Where a clip's objects start: "uniform" anywhere in START_RANGE (they may bounce off a wall
 # within the clip), "clear" with room ahead, so each moves the way its caption says for the whole
-# clip (if its path is longer than the frame, it starts at the wall behind it and bounces late).
-START_MODES = ("uniform", "clear")
+# clip (if its path is longer than the frame, it starts at the wall behind it and bounces late),
+# "behind" as "clear" but within the back BEHIND_SHARE of that room along each axis of motion, so
+# that where the object is in each frame, not only how it moves between frames, says its direction.
+START_MODES = ("uniform", "clear", "behind")
+BEHIND_SHARE = 1.0 / 3.0
 
 
 def _valid(name: str, value: str, vocabulary) -> None:
@@ -163,25 +166,35 @@ def _sample_object(rng: np.random.Generator, color: str) -> ShapeObject:
     )
 
 
-def _clear_start(u: float, d: float, travel: float, r: float, side: int) -> float:
+def _clear_start(u: float, d: float, travel: float, r: float, side: int, share: float = 1.0) -> float:
     """Start centre as a fraction of `side`, from u in START_RANGE, leaving `travel` pixels clear
-    ahead along an axis where the object moves by d (a unit-vector component) per step."""
+    ahead along an axis where the object moves by d (a unit-vector component) per step; `share`
+    (0, 1] keeps it within that part of the clear room nearest the wall behind it."""
     lo, hi = START_RANGE
     if d == 0:
         return u
-    lo_px, hi_px = (r, side - r - travel) if d > 0 else (r + travel, side - r)
-    if lo_px > hi_px:  # the path is longer than the frame: start at the wall behind, bounce late
-        return (r if d > 0 else side - r) / side
-    return (lo_px + (u - lo) / (hi - lo) * (hi_px - lo_px)) / side
+    room = share * max(side - 2 * r - travel, 0.0)  # pixels of clear room the start may use
+    behind = r if d > 0 else side - r  # centre touching the wall the object moves away from
+    f = (u - lo) / (hi - lo)  # position within the room, 0 at the back wall when d > 0
+    return (behind + f * room if d > 0 else behind - (1 - f) * room) / side
 
 
-def with_clear_path(obj: ShapeObject, frames: int, height: int, width: int) -> ShapeObject:
-    """`obj` moved (same caption, same size) so that its first bounce comes after `frames` frames."""
+def with_clear_path(obj: ShapeObject, frames: int, height: int, width: int, share: float = 1.0) -> ShapeObject:
+    """`obj` moved (same caption, same size) so that its first bounce comes after `frames` frames;
+    with `share` < 1 it starts within that share of the clear room nearest the wall behind it."""
     r = radius_px(obj, height, width)
     travel = SPEEDS[obj.speed] * min(height, width) * (frames - 1)  # pixels along the direction
     dy, dx = DIRECTIONS[obj.direction]
-    return replace(obj, start_y=_clear_start(obj.start_y, dy, abs(dy) * travel, r, height),
-                   start_x=_clear_start(obj.start_x, dx, abs(dx) * travel, r, width))
+    return replace(obj, start_y=_clear_start(obj.start_y, dy, abs(dy) * travel, r, height, share),
+                   start_x=_clear_start(obj.start_x, dx, abs(dx) * travel, r, width, share))
+
+
+def with_start(obj: ShapeObject, start: str, frames: int, height: int, width: int) -> ShapeObject:
+    """`obj` placed as the start mode `start` (START_MODES) places it in a clip of that size."""
+    _valid("start", start, START_MODES)
+    if start == "uniform":
+        return obj
+    return with_clear_path(obj, frames, height, width, share=BEHIND_SHARE if start == "behind" else 1.0)
 
 
 def sample_scene(
@@ -198,12 +211,12 @@ def sample_scene(
     _check_max_objects(max_objects)
     allowed = _check_backgrounds(backgrounds)
     _valid("start", start, START_MODES)
-    check(start == "uniform" or clip is not None, "start='clear' needs clip=(frames, height, width)")
+    check(start == "uniform" or clip is not None, f"start={start!r} needs clip=(frames, height, width)")
     count = int(rng.integers(1, max_objects + 1))
     colors = rng.choice(len(COLORS), size=count, replace=False)
     objects = tuple(_sample_object(rng, list(COLORS)[c]) for c in colors)
-    if start == "clear":
-        objects = tuple(with_clear_path(o, *clip) for o in objects)
+    if start != "uniform":
+        objects = tuple(with_start(o, start, *clip) for o in objects)
     return ShapeScene(objects=objects, background=allowed[rng.integers(len(allowed))])
 
 
@@ -379,8 +392,8 @@ def render(scene: ShapeScene, frames: int, height: int, width: int, antialias: b
 class MovingShapes(Dataset):
     """`num_samples` captioned clips of moving shapes, each a pure function of (seed, index).
 
-    `start` (START_MODES) says where objects start: "uniform" (they may bounce within the clip) or
-    "clear" (room ahead for the whole clip).
+    `start` (START_MODES) says where objects start: "uniform" (they may bounce within the clip),
+    "clear" (room ahead for the whole clip) or "behind" (clear, and near the wall behind them).
 
     Item i is {"video": float32 (3, frames, height, width) in [-1, 1], "caption": str}. Because
     every item seeds its own generator from (seed, i), items are identical in any worker, any order.

@@ -35,7 +35,7 @@ class DataConfig:
     num_samples: int = 100_000  # distinct procedural clips; the folder's own size for "folder"
     seed: int = 0
     max_objects: int = 1
-    start: str = "uniform"  # shapes: "uniform" (objects may bounce within a clip) or "clear" (room ahead)
+    start: str = "uniform"  # shapes: "uniform" (may bounce), "clear" (room ahead), "behind" (clear, near the back wall)
     root: str | None = None  # the video folder, for kind="folder"
     stride: int = 1  # frame stride when reading real videos
     fps: int = 8  # playback rate of exported videos

@@ -86,8 +86,6 @@ def _displacements(pipe, direction: str) -> list[tuple[float, float]]:
     return moves
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the bundled model's motion comes from the noise, not the "
-                   "prompt (docs/demo-model.md); strict, so a model that passes turns this red until the mark goes")
 def test_bundled_model_moves_the_way_the_prompt_says():
     pipe = VideoPipeline.from_checkpoint(None)
     moves = {d: _displacements(pipe, d) for d in ("left", "right", "up", "down")}

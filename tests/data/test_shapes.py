@@ -5,6 +5,7 @@ import torch
 from slidefusion.data import build_dataset
 from slidefusion.data.shapes import (
     BACKGROUNDS,
+    BEHIND_SHARE,
     COLORS,
     DIRECTIONS,
     SHAPES,
@@ -244,8 +245,40 @@ def test_clear_start_on_a_path_longer_than_the_frame_starts_at_the_wall_behind()
         pytest.fail("no quick rightward clip among 200")
 
 
+@pytest.mark.parametrize("frames, height, width", [(8, 32, 32), (5, 17, 40)])
+def test_behind_start_is_clear_and_near_the_wall_behind(frames, height, width):
+    clear = MovingShapes(300, frames, height, width, seed=4, max_objects=2, start="clear")
+    behind = MovingShapes(300, frames, height, width, seed=4, max_objects=2, start="behind")
+    for i in range(300):
+        assert behind[i]["caption"] == clear[i]["caption"]
+        for wide, obj in zip(clear.scene(i).objects, behind.scene(i).objects):
+            r, unit = radius_px(obj, height, width), np.array(DIRECTIONS[obj.direction])
+            centres = object_centers(obj, frames, height, width)
+            progress = np.diff(centres, axis=0) @ unit
+            assert np.allclose(progress, progress[0]) and progress[0] > 0  # clear: straight on
+            travel = abs(progress[0]) * (frames - 1)
+            for axis, d in enumerate(unit):
+                side = (height, width)[axis]
+                if d == 0:  # across the motion: the same start as "clear"
+                    assert centres[0, axis] == pytest.approx(object_centers(wide, 1, height, width)[0, axis])
+                    continue
+                back = r if d > 0 else side - r
+                room = max(side - 2 * r - abs(d) * travel, 0.0)
+                assert abs(centres[0, axis] - back) <= BEHIND_SHARE * room + 1e-9, (obj, axis)
+
+
+def test_behind_start_separates_where_each_direction_is_at_frame_0():
+    data = MovingShapes(400, 8, 32, 32, seed=0, max_objects=1, start="behind")
+    first_x = {"left": [], "right": []}
+    for i in range(400):
+        obj = data.scene(i).objects[0]
+        if obj.direction in first_x:
+            first_x[obj.direction].append(object_centers(obj, 1, 32, 32)[0, 1])
+    assert max(first_x["right"]) < 16 < min(first_x["left"])  # left half / right half
+
+
 def test_bad_start_is_a_user_error():
-    with pytest.raises(UserError, match="start='late' is unknown; valid: uniform, clear"):
+    with pytest.raises(UserError, match="start='late' is unknown; valid: uniform, clear, behind"):
         MovingShapes(2, 2, 8, 8, start="late")
     with pytest.raises(UserError, match="clip="):
         sample_scene(np.random.default_rng(0), start="clear")

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slidefusion.attention import backends, dense_attention, slide_attention, window_attention  # noqa: E402
 from slidefusion.attention.reference import trilinear_sample, window_positions  # noqa: E402
+from slidefusion.testing.rss import reset_peak_rss, status_kib  # noqa: E402
 
 OPS = ("dense", "window", "neighborhood", "slide-sample", "slide-shift", "slide-joint")
 SLIDE_OPS = ("slide-sample", "slide-shift", "slide-joint")  # run once per offset scale
@@ -122,24 +123,6 @@ def run_once(fn, extra, inputs, backward: bool, device: str) -> float:
     return time.perf_counter() - start
 
 
-def rss_peak_reset() -> bool:
-    """Reset the process's RSS high-water mark (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def transient_mib(fn, extra, inputs, device) -> float | None:
     """Peak memory one forward+backward adds on top of what was allocated before it."""
     if device.startswith("cuda"):
@@ -147,11 +130,11 @@ def transient_mib(fn, extra, inputs, device) -> float | None:
         before = torch.cuda.memory_allocated()
         run_once(fn, extra, inputs, True, device)
         return (torch.cuda.max_memory_allocated() - before) / 2**20
-    if not rss_peak_reset():
+    if not reset_peak_rss():
         return None
-    before = rss_kib("VmRSS")
+    before = status_kib("VmRSS")
     run_once(fn, extra, inputs, True, device)
-    return (rss_kib("VmHWM") - before) / 1024
+    return (status_kib("VmHWM") - before) / 1024
 
 
 def variants(args) -> list[tuple[str, str, float | None]]:

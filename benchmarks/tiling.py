@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from slidefusion.testing.rss import reset_peak_rss, status_kib  # noqa: E402
+
 MODES = ("whole", "tiled", "tiled+spill", "tiled+spill q2")
 
 
@@ -70,29 +72,10 @@ def parse_args(argv=None):
 # -- the child: one (mode, length) ----------------------------------------------------------------
 
 
-def _hwm_bytes() -> int:
-    """VmHWM of this process, in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> bool:
-    """Reset the high-water mark to the current RSS (Linux: write 5 to clear_refs); False if refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak(device) -> int:
     import torch
 
-    return torch.cuda.max_memory_allocated() if device.type == "cuda" else _hwm_bytes()
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else status_kib("VmHWM") * 1024
 
 
 def _ours(spec: dict, device):
@@ -156,7 +139,7 @@ def run_child(spec: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    reset = _reset_hwm()
+    reset = reset_peak_rss()
     idle = _peak(device)
     start = time.perf_counter()
     engine.train_step(loss_fn)  # warm-up: the allocator's and the threads' first use

@@ -168,11 +168,10 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
+from slidefusion.testing.rss import reset_peak_rss, status_kib
 
 def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
+    return status_kib(key) * 1024
 
 def stream(folder):
     for path in sorted(glob.glob(folder + "/*.safetensors")):
@@ -182,11 +181,11 @@ def stream(folder):
 
 with init_empty_weights():
     model = build_model(preset("dit3d-tiny", hidden=HIDDEN, heads=8, depth=DEPTH, text_dim=16))
-open("/proc/self/clear_refs", "w").write("5")  # restart VmHWM from here
-before = status("VmRSS:")
+assert reset_peak_rss()  # restart VmHWM from here
+before = status("VmRSS")
 engine = OffloadEngine(model, model.blocks, OffloadPolicy(device="cpu", compute_dtype=torch.float32))
 engine.load_weights(stream(sys.argv[1]))
-print(json.dumps({"before": before, "peak": status("VmHWM:"), "after": status("VmRSS:"),
+print(json.dumps({"before": before, "peak": status("VmHWM"), "after": status("VmRSS"),
                   "host_state": engine.stats.host_state_bytes, "params": sum(p.numel() for p in model.parameters())}))
 """
 

@@ -132,14 +132,13 @@ def test_diffusers_loads_the_tiny_pipeline_and_samples(tiny_wan_dir, tiny_wan_va
 _MEASURE = textwrap.dedent("""
     import gc, json, sys, torch
     from slidefusion.pretrained import build_on_meta, load_transformer, open_folder
+    from slidefusion.testing.rss import reset_peak_rss, status_kib as kb
 
-    def kb(key):
-        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
 
     folder, dtype = open_folder(sys.argv[1]), getattr(torch, sys.argv[2])
     build_on_meta(folder)  # imports and class set-up happen before the measurement
     gc.collect()
-    open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+    assert reset_peak_rss()  # VmHWM restarts from the current RSS
     before = kb("VmRSS")
     model = load_transformer(folder, dtype=dtype)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -176,14 +175,13 @@ _MEASURE_ENGINE = textwrap.dedent("""
     from slidefusion.adapters import adapter_for
     from slidefusion.offload import OffloadEngine, OffloadPolicy
     from slidefusion.pretrained import build_on_meta, iter_weights, open_folder
+    from slidefusion.testing.rss import reset_peak_rss, status_kib as kb
 
-    def kb(key):
-        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
 
     folder = open_folder(sys.argv[1])
     build_on_meta(folder)
     gc.collect()
-    open("/proc/self/clear_refs", "w").write("5")
+    assert reset_peak_rss()
     before = kb("VmRSS")
     model = build_on_meta(folder)  # what `train model.pretrained=DIR --offload` does
     engine = OffloadEngine(model, adapter_for(model).blocks(model), OffloadPolicy(device="cpu", compute_dtype=torch.float32))

@@ -4,9 +4,9 @@ The paper pretrains with dense attention on short clips, then adapts to long cli
 attention and compares quality. Here:
 
 1. **Pretrain** a dense-attention DiT on short moving-shapes clips. The full budget reuses the
-   bundled demo model (dit3d-small, 8 frames of 32x32, 6000 steps; `configs/shapes-small.yaml`,
-   about 94 minutes on this class of machine), so its cost is not counted again; the quick budget
-   pretrains a tiny model from scratch.
+   bundled demo model (dit3d-small, 8 frames of 32x32; `configs/shapes-small.yaml` and
+   `docs/demo-model.md` for its training chain), so its cost is not counted again; the quick
+   budget pretrains a tiny model from scratch.
 2. **Adapt** (`--init-from` semantics: every weight whose name and shape match loads, the slide
    offset network starts at zero, i.e. as neighbourhood attention) to clips `long_frames` long with
    each variant, on the same data, steps, batch and seed.

@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy, kernels
-from slidefusion.offload.adam import _pool, adamw_parallel_  # the optimizer threads our kernels split over
+from slidefusion.offload.adam import adamw_parallel_, run_ranges
 from slidefusion.offload.formats import QBLOCK, update_bytes_per_param
-from slidefusion.offload.lean import LeanBuffers, lean_adamw_, prepared_kernel, seeds
+from slidefusion.offload.lean import LeanBuffers, block_edges, lean_adamw_, prepared_kernel, seeds
 from slidefusion.offload.planner import parse_bytes
 from slidefusion.offload.transfer import Worker
 from slidefusion.optim import OptimConfig
@@ -338,16 +338,10 @@ def _lean_buffers(n: int, master: str, moments: str) -> LeanBuffers:
 def _split(n: int, threads: int, run_range: Callable[[int, int], None]) -> Callable[[], None]:
     """`run_range(a, z)` over [0, n) in `threads` ranges of whole blocks at once, on the optimizer's
     own thread pool, as our kernels split their work: a floor at the kernels' thread count."""
-    blocks = -(-n // QBLOCK)
-    parts = max(1, min(threads, blocks // 8))
-    edges = [min(n, blocks * i // parts * QBLOCK) for i in range(parts + 1)]
-    if parts == 1:
+    edges = [min(n, e * QBLOCK) for e in block_edges(-(-n // QBLOCK), threads)]
+    if len(edges) == 2:
         return lambda: run_range(0, n)
-
-    def run():
-        for job in [_pool(threads).submit(run_range, a, z) for a, z in zip(edges, edges[1:])]:
-            job.result()
-    return run
+    return lambda: run_ranges(run_range, edges, threads)
 
 
 def _floor(lib, b: LeanBuffers, threads: int):

@@ -42,10 +42,14 @@ def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     if parts <= 1:
         return adamw_(master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg, grad_scale, exact)
     per = -(-n // parts // EXACT_CHUNK) * EXACT_CHUNK
-    ranges = [(a, min(a + per, n)) for a in range(0, n, per)]
-    jobs = [_pool(threads).submit(adamw_, master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], compute[a:b], step,
-                                  lr, cfg, grad_scale, exact) for a, b in ranges]
-    for job in jobs:
+    run_ranges(lambda a, b: adamw_(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], compute[a:b], step, lr, cfg,
+                                   grad_scale, exact), [*range(0, n, per), n], threads)
+
+
+def run_ranges(fn, edges: list[int], threads: int) -> None:
+    """`fn(a, z)` for every pair of neighbouring `edges`, all at once on the optimizer's pool of
+    `threads` threads (one pool for every kernel); returns when all are done."""
+    for job in [_pool(threads).submit(fn, a, z) for a, z in zip(edges, edges[1:])]:
         job.result()
 
 

@@ -9,11 +9,12 @@ resumed run continues the same random streams.
 
 import ctypes
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from slidefusion.offload import kernels
-from slidefusion.offload.adam import _pool  # one pool of optimizer threads for both kernels
+from slidefusion.offload.adam import run_ranges
 from slidefusion.offload.formats import QBLOCK
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -230,10 +231,14 @@ def lean_adamw_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1
         return lean_adamw_reference_(b, step, lr, cfg, grad_scale, stream_seeds)
     args = _args(b, step, lr, cfg, grad_scale, stream_seeds)
     blocks = b.starts.numel() - 1 if b.starts is not None else -(-b.numel // QBLOCK)
-    parts = max(1, min(threads, blocks // 8))
-    if parts == 1:
+    edges = block_edges(blocks, threads)
+    if len(edges) == 2:
         return lib.lean_update(ctypes.addressof(args), 0, blocks)
-    edges = [blocks * i // parts for i in range(parts + 1)]
-    jobs = [_pool(threads).submit(lib.lean_update, ctypes.addressof(args), a, z) for a, z in zip(edges, edges[1:])]
-    for job in jobs:
-        job.result()
+    run_ranges(partial(lib.lean_update, ctypes.addressof(args)), edges, threads)
+
+
+def block_edges(blocks: int, threads: int) -> list[int]:
+    """Where `threads` ranges of whole blocks start and end: at least 8 blocks each, so small
+    groups run in one call."""
+    parts = max(1, min(threads, blocks // 8))
+    return [blocks * i // parts for i in range(parts + 1)]

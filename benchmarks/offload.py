@@ -19,8 +19,7 @@ Measurements, side by side in one run, alternating, after warm-up, medians quote
   optimizer   one AdamW step over N parameters: our kernels in every mode against the bandwidth
               floor for their own byte count (a kernel moving the same bytes with no arithmetic),
               torch's fused and default AdamW, DeepSpeed's CPUAdam when importable; timed in CPU
-              time of the calling thread, which a shared machine's waits for a core leave out. The
-              exact kernel runs on a background thread, as in the engine (torch on one core there).
+              time of the calling thread, which a shared machine's waits for a core leave out.
               Each lean kernel also runs on cache-resident buffers ("in cache"): its compute alone,
               so "compute allows" is the most of the floor that its arithmetic leaves possible.
 Writes a table on stdout and JSON (with the machine facts) to OUT/offload.json.
@@ -53,7 +52,6 @@ from slidefusion.offload.adam import adamw_parallel_, run_ranges
 from slidefusion.offload.formats import QBLOCK, update_bytes_per_param
 from slidefusion.offload.lean import LeanBuffers, block_edges, lean_adamw_, prepared_kernel, seeds
 from slidefusion.offload.planner import parse_bytes
-from slidefusion.offload.transfer import Worker
 from slidefusion.optim import OptimConfig
 
 import offload_wan  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
@@ -360,12 +358,6 @@ def _floor(lib, b: LeanBuffers, threads: int):
     return lambda: run() or own
 
 
-def _on_worker(fn):
-    """`fn` run on an engine-style background thread (torch on one core there), waited for."""
-    worker = Worker("bench-kernels")
-    return lambda: worker.submit(fn).synchronize()
-
-
 def bench_optimizer(args) -> dict:
     n = int(args.params) // QBLOCK * QBLOCK
     cfg = OptimConfig(lr=1e-4, weight_decay=0.01)
@@ -374,9 +366,8 @@ def bench_optimizer(args) -> dict:
     fns, moved, floors = {}, {}, {}  # name -> callable, bytes moved per parameter, the floor's name
     cached = {}  # "in cache, <kernel>" -> parameters updated per call
     ours = partial(adamw_parallel_, step=1, lr=1e-4, cfg=cfg, threads=args.optimizer_threads)
-    fns["fp32/fp32 fast (bf16 grad -> bf16 copy)"] = lambda: ours(p, g16, m, v, c16, exact=False)
-    fns["fp32/fp32 exact (fp32 grad -> fp32 copy)"] = _on_worker(lambda: ours(p, g32, m, v, c32, exact=True))
-    fns["fp32/fp32 fast (fp32 grad -> fp32 copy)"] = lambda: ours(p, g32, m, v, c32, exact=False)
+    fns["fp32/fp32 (bf16 grad -> bf16 copy)"] = lambda: ours(p, g16, m, v, c16)
+    fns["fp32/fp32 (fp32 grad -> fp32 copy: the fp32-compute default)"] = lambda: ours(p, g32, m, v, c32)
     moved.update({name: 28 if "bf16" in name else 32 for name in fns})
     lib, keep = kernels.load(), []  # the anchors' parameters must outlive the timing
     if lib is not None:
@@ -405,9 +396,9 @@ def bench_optimizer(args) -> dict:
         name = "DeepSpeed CPUAdam (fp32, no copy)"
         fns[name], moved[name], floors[name] = deepspeed, 28, "floor, 28 B/param" if lib is not None else None
     wall, cpu = _alternating(fns, args.repeats)
-    # Another thread's work shows in wall time only: the exact kernel's worker; with threads > 1
-    # everything (our kernels and the floors on the pool, torch's intra-op threads), so time it all in wall time.
-    elsewhere = set(fns) if args.optimizer_threads > 1 else {name for name in fns if "exact" in name}
+    # Another thread's work shows in wall time only: with threads > 1 everything runs elsewhere (our
+    # kernels and the floors on the pool, torch's intra-op threads), so time it all in wall time.
+    elsewhere = set(fns) if args.optimizer_threads > 1 else set()
     result = {"params": n, "threads": torch.get_num_threads(), "our_threads": args.optimizer_threads, "kernels": {},
               "timing": "median CPU time of the calling thread (wall time where the work runs on other threads)"}
     seconds = {name: wall[name] if name in elsewhere else cpu[name] for name in fns}

@@ -27,6 +27,7 @@ class GroupState:
         self.local_names = spec.local_names()
         self.trainable = self.params[:len(spec.trainable)]
         self.n_train = sum(p.numel() for p in self.trainable)
+        self.train_ends = [e.offset + e.numel for e in self.layout.entries[:len(self.trainable)]]  # AdamW's tensor tails
         self.compute = allocate(self.layout.numel, policy.compute_dtype, True)
         self.master = MasterWeights(policy.master, policy.rounding, self.n_train, self.compute, allocate)
         self.moments = Moments(policy.moments, self.layout, self.n_train, allocate)

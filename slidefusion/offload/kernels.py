@@ -30,13 +30,11 @@ def _cpu_key() -> str:
 
 def _signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     F, I, P, L = ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-    lib.moments.argtypes = [P, P, I, P, P, L, F, I, F, I, F, F, F]
-    lib.apply.argtypes = [P, P, P, P, I, L, F, F, F]
-    lib.fused.argtypes = [P, P, I, P, P, P, I, L, F, I, F, I, F, F, F, F, F, F]
+    lib.adamw.argtypes = [P, P, I, P, P, P, I, L, F, I, F, I, F, F, F, F, F, F]
     lib.touch.argtypes = [P, P, P, P, P, L]
     lib.lean_update.argtypes = [P, L, L]
     lib.lean_floor.argtypes = [P, P, P, ctypes.c_int32, L]
-    for fn in (lib.moments, lib.apply, lib.fused, lib.touch, lib.lean_update, lib.lean_floor):
+    for fn in (lib.adamw, lib.touch, lib.lean_update, lib.lean_floor):
         fn.restype = None
     return lib
 

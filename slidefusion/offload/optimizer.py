@@ -14,10 +14,8 @@ def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, 
         return
     master, moments = group.master, group.moments
     if master.kind == "fp32" and moments.kind == "fp32":
-        # bitwise torch.optim.AdamW with fp32 compute; else the one-pass kernel (bf16 rounding dominates)
         adamw_parallel_(master.value, grad, moments.exp_avg, moments.exp_avg_sq, group.compute[:n], step, lr,
-                        policy.optim, grad_scale=scale, exact=policy.compute_dtype == torch.float32,
-                        threads=policy.threads)
+                        policy.optim, grad_scale=scale, ends=group.train_ends, threads=policy.threads)
         return
     buffers = LeanBuffers(master.value, master.comp, moments.exp_avg, moments.exp_avg_sq, moments.exp_avg_scale,
                           moments.exp_avg_sq_scale, moments.starts, grad, None if master.is_compute else group.compute[:n])

@@ -106,8 +106,3 @@ class OffloadPolicy:
     @property
     def compute_bytes(self) -> int:
         return torch.finfo(self.compute_dtype).bits // 8
-
-    @property
-    def exact(self) -> bool:
-        """fp32 everywhere: the update is bitwise torch.optim.AdamW's."""
-        return self.compute_dtype == torch.float32 and self.master == "fp32" and self.moments == "fp32"

@@ -26,13 +26,20 @@ from slidefusion.vae import build_autoencoder
 
 
 class ResidentOptimizer:
-    """AdamW on a model that lives on one device; `train_step(loss_fn)` does one whole update."""
+    """AdamW on a model that lives on one device; `train_step(loss_fn)` does one whole update.
+
+    torch's fused AdamW where it runs (CPU and CUDA): the fastest, and the one the offload engine
+    reproduces bitwise on the host."""
+
+    FUSED_DEVICES = ("cpu", "cuda")
 
     def __init__(self, model: nn.Module, optim):
         self.model = model
         self.max_grad_norm = optim.max_grad_norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                           weight_decay=optim.weight_decay)
+        params = list(model.parameters())
+        fused = all(p.device.type in self.FUSED_DEVICES and p.is_floating_point() for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           weight_decay=optim.weight_decay, fused=fused)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

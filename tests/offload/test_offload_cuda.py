@@ -40,7 +40,7 @@ def _engine(model, max_grad_norm=None, **options):
 def test_cuda_engine_tracks_resident_adamw(delays, max_grad_norm, resident_blocks):
     model = _model()
     reference = copy.deepcopy(model).cuda()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     engine = _engine(model, max_grad_norm, resident_blocks=resident_blocks)
     inject_delays(engine, delays, seed=1)
     for step in range(20):

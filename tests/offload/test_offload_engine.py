@@ -49,7 +49,7 @@ def _loss(kind: str, model: nn.Module, step: int) -> torch.Tensor:
 
 
 def _resident(kind, model, steps, max_grad_norm=None, autocast=False):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
     losses, norms = [], []
     for step in range(steps):
         optimizer.zero_grad()

@@ -49,9 +49,9 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
 
 
 def _resident(model: nn.Module, steps: int, max_grad_norm=None) -> list[float]:
-    """torch.optim.AdamW over the trainable parameters only."""
+    """torch.optim.AdamW(fused=True) over the trainable parameters only."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WD)
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WD, fused=True)
     losses = []
     for step in range(steps):
         optimizer.zero_grad()

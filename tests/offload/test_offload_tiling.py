@@ -157,7 +157,7 @@ def _loss(model, step):
 
 
 def _train(model, steps, engine=None):
-    optimizer = None if engine else torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    optimizer = None if engine else torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0, fused=True)
     losses = []
     for step in range(steps):
         if engine:

@@ -83,7 +83,7 @@ def test_offloaded_training_with_tiles_equals_resident_training(case):
     optim = OptimConfig(lr=3e-3, eps=0.1, max_grad_norm=None, warmup_steps=0, ema_decay=None)  # eps: see test_offload_tiling
     engine = OffloadEngine(model, engine_blocks(model), OffloadPolicy(device="cpu", compute_dtype=torch.float32,
                                                                       zero_copy=False, tile=2, optim=optim))
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, eps=0.1, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, eps=0.1, weight_decay=0.0, fused=True)
     for step in range(2):
         loss = engine.train_step(lambda m, s=step: _loss(m, case, s))
         optimizer.zero_grad()

@@ -142,7 +142,7 @@ def test_training_moves_the_offsets_resident_and_offloaded_alike():
     resident, offloaded = _swapped_wan(), _swapped_wan()
     start = _offsets(resident)
     assert len(start) == 2 * 4 and all(not v.any() for n, v in start.items() if "offset_linear" in n)
-    optimizer = torch.optim.AdamW(resident.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(resident.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     losses = []
     for step in range(2):
         optimizer.zero_grad()

@@ -60,14 +60,13 @@ def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     the GIL; one core cannot saturate a server's memory bandwidth). A range edge falls inside a
     body at a multiple of TAIL from its start, never inside a tail, so every element sees exactly
     the operations it would see in one call."""
-    work = pieces(ends or [master.numel()])
+    work, buffers = pieces(ends or [master.numel()]), (master, grad, exp_avg, exp_avg_sq, compute)
     n = work[-1][1] if work else 0
     parts = min(threads, max(1, n // (1 << 15)))
     if parts <= 1:
-        return _run(work, master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg, grad_scale)
+        return _run(work, buffers, step, lr, cfg, grad_scale)
     edges = sorted({0, n, *(_snap(work, k * n // parts) for k in range(1, parts))})
-    run_ranges(lambda a, z: _run(_clip(work, a, z), master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg,
-                                 grad_scale), edges, threads)
+    run_ranges(lambda a, z: _run(_clip(work, a, z), buffers, step, lr, cfg, grad_scale), edges, threads)
 
 
 def _snap(work: list[Piece], at: int) -> int:
@@ -100,14 +99,15 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
 
     `grad` may be in the compute dtype (upcast on the fly). `grad_scale` multiplies the gradient
     first (the clipping coefficient), as `clip_grad_norm_` does before `step()`."""
-    _run(pieces(ends or [master.numel()]), master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg, grad_scale)
+    _run(pieces(ends or [master.numel()]), (master, grad, exp_avg, exp_avg_sq, compute), step, lr, cfg, grad_scale)
 
 
-def _run(work: list[Piece], *buffers_and_step) -> None:
-    c_kernel = _c_kernel(*buffers_and_step[:5])
+def _run(work: list[Piece], buffers: tuple, *hyper) -> None:
+    """Each piece of `work` on its kernel: tails, and everything without the C kernel, on torch's."""
+    c_kernel = _c_kernel(*buffers)
     for start, end, tail in work:
         kernel = _torch_fused_ if tail or c_kernel is None else c_kernel
-        kernel(*(t[start:end] for t in buffers_and_step[:5]), *buffers_and_step[5:])
+        kernel(*(t[start:end] for t in buffers), *hyper)
 
 
 def _c_kernel(master, grad, exp_avg, exp_avg_sq, compute):

@@ -54,7 +54,7 @@ def pieces(ends: list[int]) -> list[Piece]:
 
 
 def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    compute: torch.Tensor, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
+                    compute: torch.Tensor | None, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
                     ends: list[int] | None = None, threads: int = 1) -> None:
     """`adamw_` split into `threads` ranges of about equal length run at once (the kernels release
     the GIL; one core cannot saturate a server's memory bandwidth). A range edge falls inside a
@@ -92,10 +92,10 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 @torch.no_grad()
 def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           compute: torch.Tensor, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
+           compute: torch.Tensor | None, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
            ends: list[int] | None = None) -> None:
     """One AdamW step (step counts from 1) on flat 1-D fp32 buffers holding tensors that end at
-    `ends` (default: one tensor); writes `compute` = master cast.
+    `ends` (default: one tensor); writes `compute` = master cast (None: the master is the compute copy).
 
     `grad` may be in the compute dtype (upcast on the fly). `grad_scale` multiplies the gradient
     first (the clipping coefficient), as `clip_grad_norm_` does before `step()`."""
@@ -107,12 +107,13 @@ def _run(work: list[Piece], buffers: tuple, *hyper) -> None:
     c_kernel = _c_kernel(*buffers)
     for start, end, tail in work:
         kernel = _torch_fused_ if tail or c_kernel is None else c_kernel
-        kernel(*(t[start:end] for t in buffers), *hyper)
+        kernel(*(None if t is None else t[start:end] for t in buffers), *hyper)
 
 
 def _c_kernel(master, grad, exp_avg, exp_avg_sq, compute):
     """The C kernel where it is built, handles these dtypes and agrees with torch here; else None."""
-    if kernels.load() is None or not {grad.dtype, compute.dtype} <= {torch.float32, torch.bfloat16}:
+    dtypes = {grad.dtype} if compute is None else {grad.dtype, compute.dtype}
+    if kernels.load() is None or not dtypes <= {torch.float32, torch.bfloat16}:
         return None
     return _c_adamw_ if _c_agrees_with_torch() else None
 
@@ -121,8 +122,9 @@ def _c_adamw_(master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg, grad_sc
     beta1, beta2 = cfg.betas
     use_decay, use_scale = int(cfg.weight_decay != 0), int(grad_scale != 1.0)
     bias2_sqrt, neg_step = math.sqrt(1 - beta2 ** step), -(lr / (1 - beta1 ** step))
-    p, g, m, v, c = (t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq, compute))
-    kernels.load().adamw(p, g, int(grad.dtype == torch.bfloat16), m, v, c, int(compute.dtype == torch.bfloat16),
+    p, g, m, v, c = (0 if t is None else t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq, compute))
+    c_bf16 = int(compute is not None and compute.dtype == torch.bfloat16)
+    kernels.load().adamw(p, g, int(grad.dtype == torch.bfloat16), m, v, c, c_bf16,
                          master.numel(), 1 - lr * cfg.weight_decay, use_decay, grad_scale, use_scale, 1 - beta1, beta2,
                          1 - beta2, bias2_sqrt, cfg.eps, neg_step)
 
@@ -165,7 +167,8 @@ def _torch_fused_(master, grad, exp_avg, exp_avg_sq, compute, step, lr, cfg, gra
         torch._fused_adamw_([master[start:end]], [g], [exp_avg[start:end]], [exp_avg_sq[start:end]], [], steps,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=cfg.weight_decay, eps=cfg.eps,
                             amsgrad=False, maximize=False)
-        compute[start:end].copy_(master[start:end])
+        if compute is not None:
+            compute[start:end].copy_(master[start:end])
 
 
 @torch.no_grad()

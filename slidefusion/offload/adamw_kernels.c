@@ -11,7 +11,8 @@
    torch's own scalar loop for the last (numel mod vector width) elements of a tensor rounds the
    second moment differently; adam.py leaves those elements to torch. Dividing instead of
    multiplying by 1 / bc2 costs nothing measurable: the loop is bound by memory.
-   Gradients and the compute copy may be fp32 or bf16 (round to nearest even, as torch). */
+   Gradients and the compute copy may be fp32 or bf16 (round to nearest even, as torch); out NULL:
+   no copy (an fp32 compute copy is the master itself). */
 #include <stdint.h>
 #include <string.h>
 
@@ -34,7 +35,11 @@ void adamw(float* restrict p, const void* restrict grad, int grad_bf16, float* r
            float w1, float beta2, float value2, float bias2_sqrt, float eps, float neg_step) {
   const int small = __builtin_fabsf(w1) < 0.5f;  /* torch's lerp: two formulas, by the weight */
   const float w1_minus_1 = w1 - 1.0f;
-  if (grad_bf16 && out_bf16) { const uint16_t* gb = grad; uint16_t* ob = out; ADAMW(bf16_to_f(gb[i]), ob[i] = f_to_bf16(pi)) }
+  if (!out) {
+    if (grad_bf16) { const uint16_t* gb = grad; ADAMW(bf16_to_f(gb[i]), (void)0) }
+    else { const float* gf = grad; ADAMW(gf[i], (void)0) }
+  }
+  else if (grad_bf16 && out_bf16) { const uint16_t* gb = grad; uint16_t* ob = out; ADAMW(bf16_to_f(gb[i]), ob[i] = f_to_bf16(pi)) }
   else if (grad_bf16) { const uint16_t* gb = grad; float* of = out; ADAMW(bf16_to_f(gb[i]), of[i] = pi) }
   else if (out_bf16) { const float* gf = grad; uint16_t* ob = out; ADAMW(gf[i], ob[i] = f_to_bf16(pi)) }
   else { const float* gf = grad; float* of = out; ADAMW(gf[i], of[i] = pi) }

@@ -27,11 +27,10 @@ class MasterWeights:
     def __init__(self, kind: str, rounding: str, n: int, compute: torch.Tensor, allocate):
         self.kind = kind
         self.kahan = kind == "bf16" and rounding == "kahan"
-        self.is_compute = kind == "bf16" and compute.dtype == torch.bfloat16
-        if kind == "fp32":
-            self.value = allocate(n, torch.float32, False)
-        else:  # with a bf16 compute copy the two are one buffer (the optimizer's pass writes it once)
-            self.value = compute[:n] if self.is_compute else allocate(n, torch.bfloat16, False)
+        dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        # with a compute copy of the master's dtype the two are one buffer (the optimizer writes it once)
+        self.is_compute = compute.dtype == dtype
+        self.value = compute[:n] if self.is_compute else allocate(n, dtype, False)
         self.comp = allocate(n, torch.bfloat16, False).zero_() if self.kahan else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -87,8 +86,8 @@ def trainable_bytes_per_param(compute_dtype: torch.dtype, master: str, moments: 
     """Persistent host bytes of one trainable parameter (compute copy, master, moments): the one
     definition the planner uses; an engine reports what it actually allocated."""
     compute = torch.finfo(compute_dtype).bits // 8
-    if master == "fp32":
-        weights = 4 + compute
+    if master == "fp32":  # the compute copy itself when that is fp32
+        weights = 4 + (0 if compute_dtype == torch.float32 else compute)
     else:  # bf16: the compute copy itself when that is bf16
         weights = 2 + (0 if compute_dtype == torch.bfloat16 else compute) + (2 if rounding == "kahan" else 0)
     return weights + {"fp32": 8, "bf16": 4, "int8": 2 + 2 * 4 / QBLOCK}[moments]
@@ -99,5 +98,5 @@ def update_bytes_per_param(compute_dtype: torch.dtype, master: str, moments: str
     and out, the compute copy out (unless it is the master)."""
     compute = torch.finfo(compute_dtype).bits // 8
     weights = 4 if master == "fp32" else (4 if rounding == "kahan" else 2)
-    separate_copy = master == "fp32" or compute_dtype != torch.bfloat16
+    separate_copy = compute_dtype != (torch.float32 if master == "fp32" else torch.bfloat16)
     return compute + 2 * weights + 2 * {"fp32": 8, "bf16": 4, "int8": 2}[moments] + (compute if separate_copy else 0)

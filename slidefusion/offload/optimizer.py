@@ -14,8 +14,9 @@ def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, 
         return
     master, moments = group.master, group.moments
     if master.kind == "fp32" and moments.kind == "fp32":
-        adamw_parallel_(master.value, grad, moments.exp_avg, moments.exp_avg_sq, group.compute[:n], step, lr,
-                        policy.optim, grad_scale=scale, ends=group.train_ends, threads=policy.threads)
+        adamw_parallel_(master.value, grad, moments.exp_avg, moments.exp_avg_sq,
+                        None if master.is_compute else group.compute[:n], step, lr, policy.optim, grad_scale=scale,
+                        ends=group.train_ends, threads=policy.threads)
         return
     buffers = LeanBuffers(master.value, master.comp, moments.exp_avg, moments.exp_avg_sq, moments.exp_avg_scale,
                           moments.exp_avg_sq_scale, moments.starts, grad, None if master.is_compute else group.compute[:n])

@@ -109,3 +109,19 @@ def test_threaded_update_is_identical_to_one_call():
     for threads in (2, 3, 5):
         split = _ours(adamw_parallel_, p0, [g, g], cfg, torch.float32, ends=ends, threads=threads)
         assert all(torch.equal(a, b) for a, b in zip(one, split))
+
+
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c", "torch"])
+def test_without_a_copy_the_update_is_the_same(c_kernel, monkeypatch):
+    """compute=None (the fp32 master is the fp32 compute copy): the same update, nothing else written."""
+    if not c_kernel:
+        monkeypatch.setattr(adam, "_c_kernel", lambda *buffers: None)
+    torch.manual_seed(5)
+    n = sum(SIZES)
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.01)
+    p0, grads = torch.randn(n), [torch.randn(n) for _ in range(3)]
+    copied = _ours(adamw_, p0, grads, cfg, torch.float32, ends=_ends(SIZES))
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(grads, start=1):
+        adamw_parallel_(p, g, m, v, None, step, cfg.lr, cfg, ends=_ends(SIZES), threads=2)
+    assert torch.equal(p, copied[0]) and torch.equal(m, copied[1]) and torch.equal(v, copied[2])

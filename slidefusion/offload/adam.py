@@ -53,13 +53,18 @@ def pieces(ends: list[int]) -> list[Piece]:
     return out
 
 
-def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    compute: torch.Tensor | None, step: int, lr: float, cfg: OptimConfig, grad_scale: float = 1.0,
-                    ends: list[int] | None = None, threads: int = 1) -> None:
+def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor | list[torch.Tensor], exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, compute: torch.Tensor | None, step: int, lr: float, cfg: OptimConfig,
+                    grad_scale: float = 1.0, ends: list[int] | None = None, threads: int = 1) -> None:
     """`adamw_` split into `threads` ranges of about equal length run at once (the kernels release
     the GIL; one core cannot saturate a server's memory bandwidth). A range edge falls inside a
     body at a multiple of TAIL from its start, never inside a tail, so every element sees exactly
-    the operations it would see in one call."""
+    the operations it would see in one call. `grad` may also be one flat gradient per tensor."""
+    if isinstance(grad, list):
+        for a, z, g in zip([0, *ends[:-1]], ends, grad, strict=True):
+            adamw_parallel_(master[a:z], g, exp_avg[a:z], exp_avg_sq[a:z], None if compute is None else compute[a:z],
+                            step, lr, cfg, grad_scale, threads=threads)
+        return
     work, buffers = pieces(ends or [master.numel()]), (master, grad, exp_avg, exp_avg_sq, compute)
     n = work[-1][1] if work else 0
     parts = min(threads, max(1, n // (1 << 15)))

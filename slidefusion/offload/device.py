@@ -87,20 +87,28 @@ class DeviceWeights:
 
 class GradientShipper:
     """Gradients to the host: gathered into one of two device buffers (one filling while the other
-    drains) and copied on the d2h stream into the update strategy's staging buffer."""
+    drains) and copied on the d2h stream into the update strategy's staging buffer. On a CPU device
+    they are copied straight into staging, or (`policy.holds_gradients`) handed over as autograd
+    made them, at most two blocks' worth at once, as two staging buffers would hold."""
 
     def __init__(self, state, policy, d2h, strategy):
         largest = 0 if policy.direct else max(g.n_train for g in state.groups.values())  # direct: straight to staging
         device, dtype = policy.torch_device, policy.compute_dtype
         self.buffers = [torch.empty(largest, dtype=dtype, device=device) for _ in range(2)]
         self.free: list[Handle] = [DONE, DONE]
-        self.turn, self.d2h, self.strategy = 0, d2h, strategy
+        self.turn, self.d2h, self.strategy, self.holds = 0, d2h, strategy, policy.holds_gradients
         self.bytes, self.wait_s = 0, 0.0
 
     def ship(self, group, grads: list, step: int, lr: float) -> None:
         """Send `group`'s trainable gradients (one per parameter, in layout order) to its update."""
         if group.n_train == 0:
             return
+        for entry, grad in zip(group.layout.entries, grads):
+            if grad is None:  # torch.optim skips such a parameter and keeps a per-parameter step count
+                raise UserError(f"parameter {entry.name} got no gradient from loss_fn; set requires_grad=False on "
+                                "parameters the loss does not use before building the engine")
+        if self.holds:
+            return self._hand_over(group, grads, step, lr)
         direct = self.buffers[0].numel() == 0
         turn, self.turn = self.turn, 1 - self.turn
         self.free[turn].wait()  # the previous copy out of this buffer has finished
@@ -108,10 +116,7 @@ class GradientShipper:
         if direct:
             self._wait(free)
         flat = host if direct else self.buffers[turn][:group.n_train]
-        for entry, view, grad in zip(group.layout.entries, group.layout.views(flat, len(group.trainable)), grads):
-            if grad is None:  # torch.optim skips such a parameter and keeps a per-parameter step count
-                raise UserError(f"parameter {entry.name} got no gradient from loss_fn; set requires_grad=False on "
-                                "parameters the loss does not use before building the engine")
+        for view, grad in zip(group.layout.views(flat, len(group.trainable)), grads):
             view.copy_(grad)
         if not direct:
             self._wait(free)
@@ -119,6 +124,13 @@ class GradientShipper:
         self.free[turn] = arrived
         self.bytes += flat.numel() * flat.element_size()  # (direct: written in place, the bytes the update reads)
         self.strategy.landed(group, host, arrived, step, lr)
+
+    def _hand_over(self, group, grads: list, step: int, lr: float) -> None:
+        turn, self.turn = self.turn, 1 - self.turn
+        self._wait(self.free[turn])  # the update two groups back has read its gradients
+        flat = [grad.reshape(-1) for grad in grads]
+        self.bytes += sum(g.numel() * g.element_size() for g in flat)  # the bytes the update reads
+        self.free[turn] = self.strategy.landed(group, flat, DONE, step, lr)
 
     def _wait(self, free: Handle) -> None:
         """Until the optimizer is done with the staging buffer: optimizer time compute cannot hide."""

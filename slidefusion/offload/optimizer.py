@@ -7,8 +7,9 @@ from slidefusion.offload.lean import LeanBuffers, lean_adamw_, seeds
 
 
 def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, policy) -> None:
-    """AdamW on `group`'s trainable prefix with `grad` (compute dtype, flat); writes the master,
-    the moments and the compute copy. Runs on the optimizer worker."""
+    """AdamW on `group`'s trainable prefix with `grad` (compute dtype: flat, or with fp32 state a
+    list of one flat gradient per parameter); writes the master, the moments and the compute copy.
+    Runs on the optimizer worker."""
     n = group.n_train
     if n == 0:
         return

@@ -93,6 +93,13 @@ class OffloadPolicy:
         return self.zero_copy if self.zero_copy is not None else self.torch_device.type == "cpu"
 
     @property
+    def holds_gradients(self) -> bool:
+        """The update reads each gradient where autograd wrote it, with no staging copy: the device
+        is the host, and the fp32 state's kernel takes one tensor at a time (the lean kernels take
+        a group's gradient as one flat buffer)."""
+        return self.direct and self.master == "fp32" and self.moments == "fp32"
+
+    @property
     def threads(self) -> int:
         """Optimizer threads: on a CPU device the cores compute; with a GPU they are free for AdamW."""
         if self.optimizer_threads is not None:

@@ -12,7 +12,8 @@ block b, so the updates overlap that forward instead of the backward. (Speculati
 then roll back when clipping turns out to be needed, would keep a backup of master and moments.)
 
 Both call `update(group, grad, step, lr, scale, after)` on the optimizer worker; `after` are the
-handles a refresh upload of the group's new weights must wait for.
+handles a refresh upload of the group's new weights must wait for. `grad` is the group's flat
+staging buffer, or (`policy.holds_gradients`: no staging) the list of autograd's gradients.
 """
 
 from slidefusion.offload.adam import clip_coefficient, parameter_norms
@@ -21,9 +22,9 @@ from slidefusion.offload.transfer import DONE, Handle, ThreadHandle
 
 
 class ImmediateUpdate:
-    def __init__(self, state, allocate, dtype, worker, update):
+    def __init__(self, state, allocate, dtype, worker, update, staged: bool):
         largest = max(g.n_train for g in state.groups.values())
-        self.buffers = [allocate(largest, dtype, True) for _ in range(2)]
+        self.buffers = [allocate(largest, dtype, True) for _ in range(2)] if staged else []
         self.free: list[Handle] = [DONE, DONE]
         self.turn = 0
         self.updated: dict[int, Handle] = {key: DONE for key in state.groups}
@@ -34,9 +35,11 @@ class ImmediateUpdate:
         self.turn = 1 - self.turn
         return self.buffers[self.turn][:group.n_train], self.free[self.turn]
 
-    def landed(self, group, host, arrived: Handle, step: int, lr: float) -> None:
+    def landed(self, group, host, arrived: Handle, step: int, lr: float) -> Handle:
+        """Schedule `group`'s update; returns its handle (the staging buffer is free after it)."""
         job = lambda: self.update(group, host, step, lr, 1.0, (arrived,))  # noqa: E731
         self.updated[group.key] = self.free[self.turn] = self.worker.submit(job, (arrived,))
+        return self.updated[group.key]
 
     def end_backward(self, step: int, lr: float, marker: Handle) -> None:
         """Every update is already scheduled."""
@@ -46,9 +49,10 @@ class ImmediateUpdate:
 
 
 class DeferredClippedUpdate:
-    def __init__(self, state, allocate, dtype, worker, update, max_norm: float):
+    def __init__(self, state, allocate, dtype, worker, update, max_norm: float, staged: bool):
         self.state, self.worker, self.update, self.max_norm = state, worker, update, max_norm
-        self.buffers = {key: allocate(g.n_train, dtype, True) for key, g in state.groups.items()}
+        self.buffers = {key: allocate(g.n_train, dtype, True) for key, g in state.groups.items()} if staged else {}
+        self.grads: dict[int, object] = {}  # this step's gradient of each group: its buffer, or autograd's list
         self.free: dict[int, Handle] = {key: DONE for key in state.groups}
         self.updated: dict[int, Handle] = {key: DONE for key in state.groups}
         self.norms: dict[int, list] = {}
@@ -56,9 +60,12 @@ class DeferredClippedUpdate:
     def staging(self, group):
         return self.buffers[group.key], self.free[group.key]
 
-    def landed(self, group, host, arrived: Handle, step: int, lr: float) -> None:
-        norms, views = self.norms, group.layout.views(host, len(group.trainable))  # this step's dict
+    def landed(self, group, host, arrived: Handle, step: int, lr: float) -> Handle:
+        """Take the gradient's norms; returns the handle after which the update has read `host`."""
+        views = host if isinstance(host, list) else group.layout.views(host, len(group.trainable))
+        norms, self.grads[group.key] = self.norms, host  # this step's dict
         self.worker.submit(lambda: norms.__setitem__(group.key, parameter_norms(views)), (arrived,))
+        return self.updated[group.key]
 
     def end_backward(self, step: int, lr: float, marker: Handle) -> None:
         """One job: the clipping factor, then the updates in the order the next forward needs them,
@@ -66,13 +73,14 @@ class DeferredClippedUpdate:
         order = [key for key in (REST, *range(len(self.state.blocks))) if self.state.groups[key].n_train]
         handles = {key: ThreadHandle() for key in order}
         norms, self.norms = self.norms, {}
+        grads, self.grads = self.grads, {}
 
         def clipped_updates():
             try:
                 scale = clip_coefficient([norms[key][i] for key, i in self.state.norm_order], self.max_norm)
                 for key in order:
                     self.worker.jitter()  # tests: a delay between groups, where the next forward races us
-                    self.update(self.state.groups[key], self.buffers[key], step, lr, scale, (marker,))
+                    self.update(self.state.groups[key], grads[key], step, lr, scale, (marker,))
                     handles[key].set()
             except BaseException as error:
                 for handle in handles.values():
@@ -89,7 +97,7 @@ class DeferredClippedUpdate:
 
 
 def make_strategy(policy, state, allocate, worker, update):
-    dtype = policy.compute_dtype
+    dtype, staged = policy.compute_dtype, not policy.holds_gradients
     if policy.clip is None:
-        return ImmediateUpdate(state, allocate, dtype, worker, update)
-    return DeferredClippedUpdate(state, allocate, dtype, worker, update, policy.clip)
+        return ImmediateUpdate(state, allocate, dtype, worker, update, staged)
+    return DeferredClippedUpdate(state, allocate, dtype, worker, update, policy.clip, staged)

@@ -110,3 +110,4 @@ def test_computing_in_place_on_a_cpu_device_is_bitwise_the_copying_engine(option
     direct, direct_weights, stats = _run("dit3d", 0, delays=0.002, zero_copy=True, **options)
     assert direct == copied and all(torch.equal(direct_weights[k], v) for k, v in copied_weights.items())
     assert stats.h2d_bytes == 0 and stats.device_param_bytes_reserved == 0  # nothing was copied
+    assert stats.staging_bytes == 0  # fp32 state: each gradient is read where autograd wrote it

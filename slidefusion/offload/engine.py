@@ -4,7 +4,8 @@ The pieces, each in its own file, built here in order:
   HostState        host buffers per group (a block, or the rest): compute copy, master, moments
   DeviceWeights    resident groups on the device, the other blocks streamed with prefetch
   update strategy  when AdamW runs on the host: immediately per block, or deferred for clipping
-  GradientShipper  weight gradients from the device to the strategy's host staging
+  GradientShipper  weight gradients from the device to the strategy's host staging (a CPU device
+                   with fp32 state: autograd's own tensors, read in place)
   hooks            each block's forward routed through a checkpointing autograd function
   runner           how one block computes: whole, or tile by tile (`tiled`, policy.tile)
   checkpoints      where block inputs wait for backward: kept, or host memory + disk (policy.spill_dir)

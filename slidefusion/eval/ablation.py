@@ -82,6 +82,12 @@ BUDGETS: dict[str, Budget] = {
     "full": Budget("full", pretrain_steps=None, short_frames=8, long_frames=32, height=32, width=32,
                    adapt_steps=240, batch_size=4, lr=2e-4, eval_videos=48,
                    sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
+    # Half the length ratio, four times the steps: long enough an adaptation for the motion to come
+    # back, so that text alignment can separate the variants (docs/demo-model.md: the 16-frame
+    # pilots). About 11 min of adaptation per local variant and 14 for dense on 2 cores, 3 min of scoring.
+    "motion": Budget("motion", pretrain_steps=None, short_frames=8, long_frames=16, height=32, width=32,
+                     adapt_steps=960, batch_size=4, lr=2e-4, eval_videos=48,
+                     sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
     # A smoke run of every stage (about a minute): a tiny model, a few steps, two videos.
     "quick": Budget("quick", pretrain_steps=30, short_frames=4, long_frames=8, height=16, width=16,
                     adapt_steps=4, batch_size=2, lr=1e-3, eval_videos=2, pretrain_model="dit3d-tiny",

@@ -125,3 +125,15 @@ def _bundled():
 
     return bundled_checkpoint()
 
+
+
+@pytest.mark.parametrize("name", [n for n, b in BUDGETS.items() if b.pretrain_steps is None])
+def test_budgets_on_the_bundled_model_fit_it(name, tmp_path):
+    """The budgets that reuse the demo model start from it, and every variant builds at their length."""
+    from slidefusion.eval import ablation
+
+    budget = BUDGETS[name]
+    _, base = ablation._pretrained(budget, tmp_path, log=lambda line: None)
+    for variant in VARIANTS:
+        config = ablation._variant_config(base, budget, variant)
+        assert config.data.frames == budget.long_frames and config.model.attention == VARIANTS[variant][0]

@@ -36,7 +36,7 @@ class ImmediateUpdate:
         return self.buffers[self.turn][:group.n_train], self.free[self.turn]
 
     def landed(self, group, host, arrived: Handle, step: int, lr: float) -> Handle:
-        """Schedule `group`'s update; returns its handle (the staging buffer is free after it)."""
+        """Schedule `group`'s update; returns its handle, after which `host` is free again."""
         job = lambda: self.update(group, host, step, lr, 1.0, (arrived,))  # noqa: E731
         self.updated[group.key] = self.free[self.turn] = self.worker.submit(job, (arrived,))
         return self.updated[group.key]
@@ -61,11 +61,12 @@ class DeferredClippedUpdate:
         return self.buffers[group.key], self.free[group.key]
 
     def landed(self, group, host, arrived: Handle, step: int, lr: float) -> Handle:
-        """Take the gradient's norms; returns the handle after which the update has read `host`."""
+        """Take the gradient's norms; returns DONE: every group's gradient is kept until the step's
+        clipped updates, so a caller has nothing to wait for before handing over the next."""
         views = host if isinstance(host, list) else group.layout.views(host, len(group.trainable))
         norms, self.grads[group.key] = self.norms, host  # this step's dict
         self.worker.submit(lambda: norms.__setitem__(group.key, parameter_norms(views)), (arrived,))
-        return self.updated[group.key]
+        return DONE
 
     def end_backward(self, step: int, lr: float, marker: Handle) -> None:
         """One job: the clipping factor, then the updates in the order the next forward needs them,

@@ -84,7 +84,8 @@ BUDGETS: dict[str, Budget] = {
                    sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
     # Half the length ratio, four times the steps: long enough an adaptation for the motion to come
     # back, so that text alignment can separate the variants (docs/demo-model.md: the 16-frame
-    # pilots). About 11 min of adaptation per local variant and 14 for dense on 2 cores, 3 min of scoring.
+    # pilots). About 2 h on 2 cores: 960 steps at 0.7-1.8 s (neighbourhood and window the fastest,
+    # dense and slide the slowest), 3-5 min of sampling and scoring per variant.
     "motion": Budget("motion", pretrain_steps=None, short_frames=8, long_frames=16, height=32, width=32,
                      adapt_steps=960, batch_size=4, lr=2e-4, eval_videos=48,
                      sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),

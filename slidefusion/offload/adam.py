@@ -13,7 +13,8 @@ Bitwise matters for the comparison with a resident run: parameters whose true gr
 (attention key biases) train on rounding noise, and Adam's normalisation turns a 1-ulp difference
 there into a full learning-rate step. torch's default, single-tensor AdamW is not the target: it
 takes its square root from MKL, which is 1 ulp low on ~0.6 % of inputs, so matching it needs
-torch.sqrt between two passes, 35 % slower. The two torch optimizers differ only there.
+torch.sqrt between two passes (2.03 against 1.41 ns per parameter on one core, README). The two
+torch optimizers differ only there.
 The hyper-parameters come from `OptimConfig` (betas, eps, weight_decay; the learning rate is passed
 per step, as the schedule moves it).
 """
@@ -31,6 +32,7 @@ from slidefusion.optim import OptimConfig
 
 CHUNK = 1 << 18  # elements per call of torch's kernel: smaller ones pay per-call overhead
 TAIL = 64  # a multiple of every vector width torch's kernel uses (4 to 16 floats)
+SPLIT = 1 << 15  # the fewest elements worth a thread of their own
 
 Piece = tuple[int, int, bool]  # [start, end) of a flat buffer, and whether it is a tensor's tail
 
@@ -67,7 +69,7 @@ def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor | list[torch.Tensor
         return
     work, buffers = pieces(ends or [master.numel()]), (master, grad, exp_avg, exp_avg_sq, compute)
     n = work[-1][1] if work else 0
-    parts = min(threads, max(1, n // (1 << 15)))
+    parts = min(threads, max(1, n // SPLIT))
     if parts <= 1:
         return _run(work, buffers, step, lr, cfg, grad_scale)
     edges = sorted({0, n, *(_snap(work, k * n // parts) for k in range(1, parts))})

@@ -57,7 +57,8 @@ from slidefusion.optim import OptimConfig
 import offload_wan  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
 
 RESIDENT = {"resident": {}, "resident, foreach AdamW": {"foreach": True}, "resident, fused AdamW": {"fused": True}}
-OFFLOADED = {"offloaded": {}, "offloaded+clip": {"max_grad_norm": 1.0}, "offloaded, no prefetch": {"prefetch": 0},
+OFFLOADED = {"offloaded": {}, "offloaded, overlapped": {"overlap": True}, "offloaded+clip": {"max_grad_norm": 1.0},
+             "offloaded, no prefetch": {"prefetch": 0},
              "offloaded, copy threads": {"zero_copy": False},
              "offloaded, bf16 moments": {"moments": "bf16"}, "offloaded, int8 moments": {"moments": "int8"},
              "offloaded, bf16 master": {"master": "bf16"}, "offloaded, bf16 master + int8": {"master": "bf16", "moments": "int8"},

@@ -84,10 +84,12 @@ BUDGETS: dict[str, Budget] = {
                    sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
     # Half the length ratio, four times the steps: long enough an adaptation for the motion to come
     # back, so that text alignment can separate the variants (docs/demo-model.md: the 16-frame
-    # pilots). About 2 h on 2 cores: 960 steps at 0.7-1.8 s (neighbourhood and window the fastest,
-    # dense and slide the slowest), 3-5 min of sampling and scoring per variant.
+    # pilots). Scored on 144 prompts, three times `full`'s, so that the binomial standard error of
+    # alignment (0.02-0.04) can separate neighbouring variants. About 3 h on 2 cores: 960 steps at
+    # 0.7-1.8 s (neighbourhood and window the fastest, dense and slide the slowest), 10-20 min of
+    # sampling and scoring per variant.
     "motion": Budget("motion", pretrain_steps=None, short_frames=8, long_frames=16, height=32, width=32,
-                     adapt_steps=960, batch_size=4, lr=2e-4, eval_videos=48,
+                     adapt_steps=960, batch_size=4, lr=2e-4, eval_videos=144,
                      sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
     # A smoke run of every stage (about a minute): a tiny model, a few steps, two videos.
     "quick": Budget("quick", pretrain_steps=30, short_frames=4, long_frames=8, height=16, width=16,

@@ -8,7 +8,11 @@ torch's fused CPU kernel, the fastest resident optimizer and so the benchmark's 
         to a scalar loop that rounds the second moment differently. Those elements (past the last
         multiple of TAIL, which every vector width divides) go to torch's kernel itself.
 Where the C kernel is missing, or disagrees with torch on a probe at first use (torch's
-non-vectorized build rounds differently), torch's kernel does the bodies too.
+non-vectorized build rounds differently), torch's kernel does the bodies too. So it does for an
+update the compute thread runs itself (`in_torch_pool`: a CPU device, not overlapped): torch's
+kernel then runs on torch's own intra-op threads, already awake, where our kernels would start
+threads of their own beside them (measured: 1.05-1.07x the fused resident step against
+0.98-1.02x, benchmarks/offload.py's `in line` rows).
 Bitwise matters for the comparison with a resident run: parameters whose true gradient is zero
 (attention key biases) train on rounding noise, and Adam's normalisation turns a 1-ulp difference
 there into a full learning-rate step. torch's default, single-tensor AdamW is not the target: it
@@ -57,17 +61,21 @@ def pieces(ends: list[int]) -> list[Piece]:
 
 def adamw_parallel_(master: torch.Tensor, grad: torch.Tensor | list[torch.Tensor], exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, compute: torch.Tensor | None, step: int, lr: float, cfg: OptimConfig,
-                    grad_scale: float = 1.0, ends: list[int] | None = None, threads: int = 1) -> None:
+                    grad_scale: float = 1.0, ends: list[int] | None = None, threads: int = 1,
+                    in_torch_pool: bool = False) -> None:
     """`adamw_` split into `threads` ranges of about equal length run at once (the kernels release
     the GIL; one core cannot saturate a server's memory bandwidth). A range edge falls inside a
     body at a multiple of TAIL from its start, never inside a tail, so every element sees exactly
-    the operations it would see in one call. `grad` may also be one flat gradient per tensor."""
+    the operations it would see in one call. `grad` may also be one flat gradient per tensor.
+    `in_torch_pool`: every piece on torch's kernel, which splits it over torch's threads itself."""
     if isinstance(grad, list):
         for a, z, g in zip([0, *ends[:-1]], ends, grad, strict=True):
             adamw_parallel_(master[a:z], g, exp_avg[a:z], exp_avg_sq[a:z], None if compute is None else compute[a:z],
-                            step, lr, cfg, grad_scale, threads=threads)
+                            step, lr, cfg, grad_scale, threads=threads, in_torch_pool=in_torch_pool)
         return
     work, buffers = pieces(ends or [master.numel()]), (master, grad, exp_avg, exp_avg_sq, compute)
+    if in_torch_pool:
+        return _run(work, buffers, step, lr, cfg, grad_scale, use_c=False)
     n = work[-1][1] if work else 0
     parts = min(threads, max(1, n // SPLIT))
     if parts <= 1:
@@ -109,9 +117,9 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     _run(pieces(ends or [master.numel()]), (master, grad, exp_avg, exp_avg_sq, compute), step, lr, cfg, grad_scale)
 
 
-def _run(work: list[Piece], buffers: tuple, *hyper) -> None:
+def _run(work: list[Piece], buffers: tuple, *hyper, use_c: bool = True) -> None:
     """Each piece of `work` on its kernel: tails, and everything without the C kernel, on torch's."""
-    c_kernel = _c_kernel(*buffers)
+    c_kernel = _c_kernel(*buffers) if use_c else None
     for start, end, tail in work:
         kernel = _torch_fused_ if tail or c_kernel is None else c_kernel
         kernel(*(None if t is None else t[start:end] for t in buffers), *hyper)

@@ -33,7 +33,7 @@ from slidefusion.offload.policy import OffloadPolicy
 from slidefusion.offload.stats import EngineStats
 from slidefusion.offload.strategies import make_strategy
 from slidefusion.offload.tile_runner import make_runner
-from slidefusion.offload.transfer import Worker, make_copier
+from slidefusion.offload.transfer import InlineWorker, Worker, make_copier
 
 
 class OffloadEngine:
@@ -53,7 +53,7 @@ class OffloadEngine:
               f"resident_blocks={policy.resident_blocks} must be <= the model's {len(self.blocks)} blocks")
         move_buffers(model, self.device)
         self.h2d, self.d2h = (make_copier(f"offload-{way}", self.device, policy.pin_chunk) for way in ("h2d", "d2h"))
-        self.worker = Worker("offload-adamw")
+        self.worker = Worker("offload-adamw") if policy.overlapped else InlineWorker()
         self.strategy = make_strategy(policy, self.state, self.allocator.empty, self.worker, self._update)
         self.weights = DeviceWeights(self.state, policy, self.h2d, lambda key: self.strategy.updated[key])
         self.grads = GradientShipper(self.state, policy, self.d2h, self.strategy)
@@ -226,7 +226,8 @@ def _record(engine: OffloadEngine, seconds: float) -> None:
         s.step_s += seconds
     s.optimizer_s = engine.worker.busy_s
     s.exposed_transfer_s = weights.streamer.wait_s + weights.wait_s
-    s.exposed_optimizer_s = engine._exposed_opt + engine.grads.wait_s + engine.h2d.host_wait_s  # CUDA: uploads waited
+    s.exposed_optimizer_s = (engine._exposed_opt + engine.grads.wait_s + engine.h2d.host_wait_s  # CUDA: uploads waited
+                             + engine.worker.exposed_s)
     s.h2d_bytes, s.d2h_bytes = weights.streamer.h2d_bytes + weights.refresh_bytes, engine.grads.bytes
     streamed = [engine.state.blocks[b].numel for b in weights.streamed]
     pool = weights.streamer.peak_bytes if engine.policy.checkpoint else sum(streamed) * size

@@ -17,7 +17,7 @@ def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, 
     if master.kind == "fp32" and moments.kind == "fp32":
         adamw_parallel_(master.value, grad, moments.exp_avg, moments.exp_avg_sq,
                         None if master.is_compute else group.compute[:n], step, lr, policy.optim, grad_scale=scale,
-                        ends=group.train_ends, threads=policy.threads)
+                        ends=group.train_ends, threads=policy.threads, in_torch_pool=not policy.overlapped)
         return
     buffers = LeanBuffers(master.value, master.comp, moments.exp_avg, moments.exp_avg_sq, moments.exp_avg_scale,
                           moments.exp_avg_sq_scale, moments.starts, grad, None if master.is_compute else group.compute[:n])

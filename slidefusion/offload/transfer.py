@@ -132,9 +132,36 @@ class Worker:
                 failed = error
                 handle.set(error)
 
+    exposed_s = 0.0  # seconds the compute ran jobs itself (the engine measures its waits on this thread)
+
     def close(self) -> None:
         self._jobs.put((2, next(self._order), None))  # after every job
         self._thread.join()
+
+
+class InlineWorker:
+    """`Worker`'s interface, running each job at once on the submitting thread, the compute's (a
+    policy that is not `overlapped`). Its time is all exposed: the compute does it."""
+
+    def __init__(self):
+        self.jitter: Callable[[], None] = no_jitter
+        self.busy_s = 0.0
+
+    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
+        for dependency in after:
+            dependency.synchronize()
+        self.jitter()
+        start = time.perf_counter()
+        job()
+        self.busy_s += time.perf_counter() - start
+        return DONE
+
+    @property
+    def exposed_s(self) -> float:
+        return self.busy_s
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
 
 class ThreadCopier:

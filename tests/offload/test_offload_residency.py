@@ -111,3 +111,22 @@ def test_computing_in_place_on_a_cpu_device_is_bitwise_the_copying_engine(option
     assert direct == copied and all(torch.equal(direct_weights[k], v) for k, v in copied_weights.items())
     assert stats.h2d_bytes == 0 and stats.device_param_bytes_reserved == 0  # nothing was copied
     assert stats.staging_bytes == 0  # fp32 state: each gradient is read where autograd wrote it
+    assert stats.exposed_optimizer_s >= stats.optimizer_s > 0  # in line (not overlapped): the compute ran it
+
+
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 0.05}, {"master": "bf16", "moments": "int8"},
+                                     {"moments": "bf16", "compute_dtype": torch.bfloat16, "max_grad_norm": 0.05}])
+def test_updates_in_line_are_bitwise_the_overlapped_ones(options):
+    """On a CPU device computing in place the updates run in the backward, on torch's threads (fp32
+    state: torch's fused kernel, elsewhere the C one); overlapping them on the worker thread is the
+    GPU's schedule. Both give the same bits, in every state format."""
+    overlapped, overlapped_weights, _ = _run("dit3d", 0, delays=0.002, zero_copy=True, overlap=True, **options)
+    in_line, in_line_weights, stats = _run("dit3d", 0, zero_copy=True, **options)
+    assert in_line == overlapped and all(torch.equal(in_line_weights[k], v) for k, v in overlapped_weights.items())
+    assert stats.exposed_optimizer_s >= stats.optimizer_s > 0
+
+
+def test_updates_overlap_by_default_except_on_a_cpu_device_computing_in_place():
+    assert _policy(zero_copy=True).overlapped is False and _policy(zero_copy=True).threads == torch.get_num_threads()
+    assert _policy(zero_copy=False).overlapped and _policy(zero_copy=False).threads == 1  # a simulated device
+    assert _policy(zero_copy=True, overlap=True).overlapped and _policy(zero_copy=True, optimizer_threads=3).threads == 3

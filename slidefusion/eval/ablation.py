@@ -12,7 +12,10 @@ attention and compares quality. Here:
    each variant, on the same data, steps, batch and seed.
 3. **Evaluate** every adapted model at the short and at the long length on the same held-out
    prompts and seeds, next to the pretrained model and the ground-truth clips.
-4. Write `results.json`, `results.md` (the table) and `losses.png` (the adaptation loss curves).
+4. Compare slide with each other row video by video (`paired_differences`): the same prompts and
+   seeds, so what a prompt or a seed does to both cancels, and the standard error is the
+   difference's, smaller than either row's.
+5. Write `results.json`, `results.md` (the tables) and `losses.png` (the adaptation loss curves).
 
 Every stage is resumable: a finished training run or evaluation is found on disk and skipped, an
 interrupted one continues from its newest checkpoint, so rerunning the same command finishes it.
@@ -50,6 +53,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "slide": ("slide", {"kernel_size": [3, 5, 5], "offset_mode": "sample"}),  # the paper's per-sample offsets
     "slide-shift": ("slide", {"kernel_size": [3, 5, 5], "offset_mode": "shift"}),  # one window shift per head
 }
+
+
+REFERENCE = "slide"  # the paper's comparisons: slide against dense, Swin windows, and its offsets at zero
+PAIRED = ("aligned", "consistency")
 
 
 @dataclass
@@ -171,7 +178,8 @@ def _pretrained(budget: Budget, out: Path, log) -> tuple[Path, TrainConfig]:
     return path, config
 
 
-def _evaluate(name: str, checkpoint: Path, frames: int, prompts: list[str], budget: Budget, out: Path, log) -> dict:
+def _evaluate(name: str, checkpoint: Path, frames: int, prompts: list[str], budget: Budget, out: Path,
+              log) -> tuple[dict, list[dict]]:
     """Evaluate one checkpoint at one length. The sampled videos are kept (out/eval/NAME-Ff.npz,
     uint8): a rerun re-scores them and samples only prompts the file does not hold yet (video i
     always uses seed `sampling.seed + i`), so scores and the table always come from the current code."""
@@ -205,7 +213,20 @@ def _evaluate(name: str, checkpoint: Path, frames: int, prompts: list[str], budg
                                             "videos": rows})
     log(f"{name} at {frames} frames: alignment {summary['aligned']:.3f}, consistency {summary['consistency']:.3f}, "
         f"sampled at {seconds:.1f} s/video")
-    return summary
+    return summary, rows
+
+
+def paired_differences(rows: list[dict], others: list[dict]) -> dict[str, float]:
+    """Mean and standard error of `rows` minus `others` video by video (the same prompt and seed),
+    for alignment and subject consistency; pairs where either value is not finite are left out."""
+    result = {}
+    for key in PAIRED:
+        pairs = [(float(a[key]), float(b[key])) for a, b in zip(rows, others, strict=True)]
+        d = np.array([a - b for a, b in pairs if math.isfinite(a) and math.isfinite(b)])
+        result[key] = float(d.mean()) if len(d) else math.nan
+        result[f"{key}_se"] = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
+        result[f"{key}_pairs"] = len(d)
+    return result
 
 
 def run_ablation(budget: Budget, out: str | Path, variants: list[str] | None = None, log=print) -> dict:
@@ -229,16 +250,19 @@ def run_ablation(budget: Budget, out: str | Path, variants: list[str] | None = N
                          "attention_options": config.model.attention_options}
     prompts = held_out_prompts(budget.eval_videos)
     lengths = {"short": budget.short_frames, "long": budget.long_frames}
-    table = {length: {} for length in lengths}
+    table, paired = {length: {} for length in lengths}, {length: {} for length in lengths}
     for length, frames in lengths.items():
         _, table[length]["ground truth"] = evaluate_ground_truth(budget.eval_videos, frames, budget.height, budget.width,
                                                                  progress=False)
-        table[length]["pretrained (dense, short clips)"] = _evaluate("pretrained", pretrained, frames, prompts,
-                                                                      budget, out, log)
-        for variant in variants:
-            table[length][variant] = _evaluate(variant, runs[variant]["checkpoint"], frames, prompts, budget, out, log)
+        checkpoints = {"pretrained (dense, short clips)": ("pretrained", pretrained),
+                       **{variant: (variant, runs[variant]["checkpoint"]) for variant in variants}}
+        rows = {}
+        for row, (name, checkpoint) in checkpoints.items():
+            table[length][row], rows[row] = _evaluate(name, checkpoint, frames, prompts, budget, out, log)
+        if REFERENCE in rows:
+            paired[length] = {row: paired_differences(rows[REFERENCE], rows[row]) for row in rows if row != REFERENCE}
     results = {"budget": asdict(budget), "prompts": prompts, "pretrained": str(pretrained), "runs": runs,
-               "table": table, "seconds_this_call": time.perf_counter() - start}
+               "table": table, "paired": paired, "seconds_this_call": time.perf_counter() - start}
     write_json(out / "results.json", results)
     (out / "results.md").write_text(results_markdown(results))
     plot_losses(runs, out / "losses.png")
@@ -254,6 +278,14 @@ def results_markdown(results: dict) -> str:
         frames = budget["short_frames"] if length == "short" else budget["long_frames"]
         parts += [f"### {length} clips: {frames} frames of {budget['height']}x{budget['width']}, "
                   f"{budget['eval_videos']} held-out prompts", "", format_table(rows), ""]
+    for length, rows in results.get("paired", {}).items():
+        if rows:
+            frames = budget["short_frames"] if length == "short" else budget["long_frames"]
+            parts += [f"### {REFERENCE} minus each row at {frames} frames, video by video (same prompts and seeds)", "",
+                      "| against | text alignment | subject consistency |", "|---|---|---|"]
+            parts += [f"| {row} | {d['aligned']:+.3f} ± {d['aligned_se']:.3f} | "
+                      f"{d['consistency']:+.3f} ± {d['consistency_se']:.3f} |" for row, d in rows.items()]
+            parts.append("")
     parts += ["### adaptation (same data, steps, batch and seed)", "",
               "| variant | attention options | s/step | final loss (mean of last 20%) | sampling s/video (long) |",
               "|---|---|---|---|---|"]

@@ -10,7 +10,7 @@ import torch
 from slidefusion.cli import main
 from slidefusion.data.shapes import MovingShapes
 from slidefusion.errors import UserError
-from slidefusion.eval.ablation import BUDGETS, VARIANTS, run_ablation
+from slidefusion.eval.ablation import BUDGETS, VARIANTS, paired_differences, run_ablation
 from slidefusion.eval.evaluate import PROMPT_SEED, evaluate_ground_truth, evaluate_videos, held_out_prompts, read_prompts
 from slidefusion.pipeline import VideoPipeline
 
@@ -87,6 +87,8 @@ def test_quick_ablation_runs_every_stage_and_resumes(tmp_path):
         assert rows["ground truth"]["aligned"] == 1.0
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {variant} |" in table for variant in VARIANTS)
+    assert "slide minus each row at 8 frames" in table
+    assert set(results["paired"]["long"]) == set(VARIANTS) - {"slide"} | {"pretrained (dense, short clips)"}
     # Every variant started from the pretrained dense weights; only slide adds (zero-initialised) offsets.
     assert any("slide: initialised" in line and "offset" in line for line in logs)
     assert any("neighborhood: initialised" in line and "new: none" in line for line in logs)
@@ -95,6 +97,16 @@ def test_quick_ablation_runs_every_stage_and_resumes(tmp_path):
     rerun = run_ablation(BUDGETS["quick"], tmp_path, log=again.append)
     assert sum("already trained" in line for line in again) == len(VARIANTS) + 1  # + the pretraining
     assert rerun["table"]["long"]["slide"] == results["table"]["long"]["slide"]  # videos re-scored, not resampled
+
+
+def test_paired_differences_are_taken_video_by_video():
+    nan = float("nan")
+    ours = [{"aligned": a, "consistency": c} for a, c in ((True, 0.9), (True, 0.8), (False, nan), (False, 0.7))]
+    theirs = [{"aligned": a, "consistency": c} for a, c in ((True, 0.8), (False, 0.8), (False, 0.5), (True, 0.9))]
+    d = paired_differences(ours, theirs)
+    assert d["aligned"] == 0.0 and d["aligned_se"] == pytest.approx((2 / 3) ** 0.5 / 2) and d["aligned_pairs"] == 4
+    assert d["consistency"] == pytest.approx(-0.1 / 3) and d["consistency_pairs"] == 3  # the NaN pair left out
+    assert d["consistency_se"] == pytest.approx(float(np.std([0.1, 0.0, -0.2], ddof=1)) / 3 ** 0.5)
 
 
 def test_ablation_with_more_prompts_samples_only_the_new_ones(tmp_path):

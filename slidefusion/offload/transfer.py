@@ -88,17 +88,50 @@ def serial_torch_here() -> None:
     restore.join()
 
 
-class Worker:
-    """One background thread running submitted jobs in order; each job gets a `ThreadHandle`.
+class InlineWorker:
+    """Runs each submitted job at once, on the submitting thread: the compute's, for a policy that
+    is not `overlapped`. `Worker` is the same interface on a thread of its own.
 
-    A job first waits (on this thread) for its `after` handles, so dependencies never block the
-    submitter. `low` jobs run only when no other job is waiting (in order among themselves).
-    `jitter` runs before each job: tests set it to random sleeps to expose races.
+    A job first waits for its `after` handles. `jitter` runs before each job: tests set it to
+    random sleeps to expose races. `busy_s` counts seconds spent running jobs (not waiting for
+    dependencies); `exposed_s` those the compute spent on them itself, here all of them.
     """
 
-    def __init__(self, name: str):
+    def __init__(self):
         self.jitter: Callable[[], None] = no_jitter
-        self.busy_s = 0.0  # seconds spent running jobs (not waiting for dependencies)
+        self.busy_s = 0.0
+
+    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
+        self._run_job(job, after)
+        return DONE
+
+    def _run_job(self, job: Callable[[], None], after: tuple[Handle, ...]) -> None:
+        for dependency in after:
+            dependency.synchronize()
+        self.jitter()
+        start = time.perf_counter()
+        job()
+        self.busy_s += time.perf_counter() - start
+
+    @property
+    def exposed_s(self) -> float:
+        return self.busy_s
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+
+class Worker(InlineWorker):
+    """One background thread running submitted jobs in order; each job gets a `ThreadHandle`.
+
+    A job's dependencies wait on this thread, so they never block the submitter. `low` jobs run
+    only when no other job is waiting (in order among themselves).
+    """
+
+    exposed_s = 0.0  # the engine measures the compute's waits on this thread itself
+
+    def __init__(self, name: str):
+        super().__init__()
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -121,47 +154,15 @@ class Worker:
                 handle.set(failed)
                 continue
             try:
-                for dependency in after:
-                    dependency.synchronize()
-                self.jitter()
-                start = time.perf_counter()
-                job()
-                self.busy_s += time.perf_counter() - start
+                self._run_job(job, after)
                 handle.set()
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the handle
                 failed = error
                 handle.set(error)
 
-    exposed_s = 0.0  # seconds the compute ran jobs itself (the engine measures its waits on this thread)
-
     def close(self) -> None:
         self._jobs.put((2, next(self._order), None))  # after every job
         self._thread.join()
-
-
-class InlineWorker:
-    """`Worker`'s interface, running each job at once on the submitting thread, the compute's (a
-    policy that is not `overlapped`). Its time is all exposed: the compute does it."""
-
-    def __init__(self):
-        self.jitter: Callable[[], None] = no_jitter
-        self.busy_s = 0.0
-
-    def submit(self, job: Callable[[], None], after: tuple[Handle, ...] = (), low: bool = False) -> Handle:
-        for dependency in after:
-            dependency.synchronize()
-        self.jitter()
-        start = time.perf_counter()
-        job()
-        self.busy_s += time.perf_counter() - start
-        return DONE
-
-    @property
-    def exposed_s(self) -> float:
-        return self.busy_s
-
-    def close(self) -> None:
-        """Nothing runs in the background."""
 
 
 class ThreadCopier:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 SOURCES = [Path(__file__).with_name("adamw_kernels.c"), Path(__file__).with_name("lean_kernels.c")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+OPENMP = ["-fopenmp"]  # for lean_update_ranges alone; tried first, left out where it does not build
 
 
 def _cpu_key() -> str:
@@ -36,6 +37,8 @@ def _signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_floor.argtypes = [P, P, P, ctypes.c_int32, L]
     for fn in (lib.adamw, lib.touch, lib.lean_update, lib.lean_floor):
         fn.restype = None
+    if hasattr(lib, "lean_update_ranges"):
+        lib.lean_update_ranges.argtypes, lib.lean_update_ranges.restype = [P, P, ctypes.c_int32], None
     return lib
 
 
@@ -48,19 +51,27 @@ def load() -> ctypes.CDLL | None:
     if not all(path.is_file() for path in SOURCES):  # an install without package data: torch fallbacks
         return None
     source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     folder = Path(os.environ.get("SLIDEFUSION_CACHE", Path.home() / ".cache" / "slidefusion"))
-    target = folder / f"adamw_kernels-{key}.so"
+    for flags in ([*FLAGS, *OPENMP], FLAGS):  # without OpenMP where it does not build or load
+        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
+        lib = _built(compiler, flags, folder / f"adamw_kernels-{key}.so")
+        if lib is not None:
+            return _signatures(lib)
+    return None
+
+
+def _built(compiler: str, flags: list[str], target: Path) -> ctypes.CDLL | None:
+    """The library at `target`, compiled there first if it is not yet (None where that fails)."""
     try:
         if not target.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:  # build aside, then rename: atomic
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: atomic
                 built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+                result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True,
                                         text=True, check=False)
                 if result.returncode != 0:
                     return None
                 built.replace(target)
-        return _signatures(ctypes.CDLL(str(target)))
+        return ctypes.CDLL(str(target))
     except OSError:  # no writable cache folder, or the library does not load here: torch fallbacks
         return None

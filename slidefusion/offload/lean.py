@@ -224,8 +224,9 @@ def prepared_kernel(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float
 
 
 def lean_adamw_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1.0,
-                stream_seeds: tuple[int, int] = (0, 0), threads: int = 1) -> None:
-    """`lean_adamw_reference_`, in C where it is built: `threads` ranges of whole blocks at once."""
+                stream_seeds: tuple[int, int] = (0, 0), threads: int = 1, in_torch_pool: bool = False) -> None:
+    """`lean_adamw_reference_`, in C where it is built: `threads` ranges of whole blocks at once,
+    on the optimizer's pool, or (`in_torch_pool`, where the build has OpenMP) on torch's threads."""
     lib = kernels.load()
     if lib is None:
         return lean_adamw_reference_(b, step, lr, cfg, grad_scale, stream_seeds)
@@ -234,6 +235,9 @@ def lean_adamw_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1
     edges = block_edges(blocks, threads)
     if len(edges) == 2:
         return lib.lean_update(ctypes.addressof(args), 0, blocks)
+    if in_torch_pool and hasattr(lib, "lean_update_ranges"):
+        edges_c = (ctypes.c_int64 * len(edges))(*edges)
+        return lib.lean_update_ranges(ctypes.addressof(args), edges_c, len(edges) - 1)
     run_ranges(partial(lib.lean_update, ctypes.addressof(args)), edges, threads)
 
 

@@ -191,6 +191,17 @@ void lean_update(const LeanArgs* a, int64_t first, int64_t last) {
   }
 }
 
+/* lean_update over `parts` neighbouring ranges of blocks (edges[0..parts]) at once, on the OpenMP
+   runtime's threads. torch's CPU build ships libgomp, and a process that has loaded it resolves this
+   library's libgomp to the same one, so these are torch's own intra-op threads, already awake: the
+   update of a compute thread running it in line (kernels.py builds without OpenMP where it cannot). */
+#ifdef _OPENMP
+void lean_update_ranges(const LeanArgs* a, const int64_t* edges, int32_t parts) {
+  #pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int32_t i = 0; i < parts; i++) lean_update(a, edges[i], edges[i + 1]);
+}
+#endif
+
 /* The bandwidth floor for a byte count: the same streams as an update, in blocks of QB values,
    with no arithmetic. mode 0: read, 1: read and write back, 2: write only; widths in bytes/value. */
 void lean_floor(void** streams, const int32_t* widths, const int32_t* modes, int32_t count, int64_t n) {

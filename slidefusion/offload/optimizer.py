@@ -21,4 +21,5 @@ def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, 
         return
     buffers = LeanBuffers(master.value, master.comp, moments.exp_avg, moments.exp_avg_sq, moments.exp_avg_scale,
                           moments.exp_avg_sq_scale, moments.starts, grad, None if master.is_compute else group.compute[:n])
-    lean_adamw_(buffers, step, lr, policy.optim, scale, seeds(policy.seed, step, group.key), policy.threads)
+    lean_adamw_(buffers, step, lr, policy.optim, scale, seeds(policy.seed, step, group.key), policy.threads,
+                in_torch_pool=not policy.overlapped)

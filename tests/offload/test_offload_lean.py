@@ -5,6 +5,8 @@ import itertools
 import os
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,16 +72,28 @@ def test_the_c_kernel_is_bitwise_its_reference(master, moments, grad_dtype, comp
 
 
 @needs_c
+@pytest.mark.parametrize("in_torch_pool", [False, True])
 @pytest.mark.parametrize("master, moments", [("bf16", "int8"), ("fp32", "bf16"), ("kahan", "bf16")])
-def test_threaded_update_is_identical_to_one_call(master, moments):
+def test_threaded_update_is_identical_to_one_call(master, moments, in_torch_pool):
+    """Split over 3 threads of the optimizer's pool, or of OpenMP's (torch's own, in line)."""
     torch.manual_seed(1)
     p0 = torch.randn(sum(SIZES) * 8)
     one, split = (_buffers(master, moments, torch.bfloat16, p0, SIZES * 8) for _ in range(2))
     for step in (1, 2):
         one.grad = split.grad = torch.randn(p0.numel()).bfloat16()
         lean_adamw_(one, step, 1e-3, CFG, 1.0, seeds(0, step, 0), threads=1)
-        lean_adamw_(split, step, 1e-3, CFG, 1.0, seeds(0, step, 0), threads=3)
+        lean_adamw_(split, step, 1e-3, CFG, 1.0, seeds(0, step, 0), threads=3, in_torch_pool=in_torch_pool)
     assert all(torch.equal(a, b) for a, b in zip(_state(one), _state(split)))
+
+
+@needs_c
+def test_the_kernels_share_torchs_openmp_runtime():
+    """Built with OpenMP here, and resolved to the libgomp torch loaded: no second pool of threads."""
+    if not Path("/proc/self/maps").is_file():
+        pytest.skip("needs Linux /proc")
+    assert hasattr(kernels.load(), "lean_update_ranges")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert len({line.split()[-1] for line in maps if "libgomp" in line}) == 1
 
 
 @needs_c

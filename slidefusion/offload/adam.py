@@ -10,9 +10,10 @@ torch's fused CPU kernel, the fastest resident optimizer and so the benchmark's 
 Where the C kernel is missing, or disagrees with torch on a probe at first use (torch's
 non-vectorized build rounds differently), torch's kernel does the bodies too. So it does for an
 update the compute thread runs itself (`in_torch_pool`: a CPU device, not overlapped): torch's
-kernel then runs on torch's own intra-op threads, already awake, where our kernels would start
-threads of their own beside them (measured: 1.05-1.07x the fused resident step against
-0.98-1.02x, benchmarks/offload.py's `in line` rows).
+kernel then runs on torch's own intra-op threads, already awake, where our pool would start threads
+of its own beside them (measured: 1.05-1.07x the fused resident step against 0.98-1.02x, README).
+The C pass split over those same threads through OpenMP, as the lean kernels are
+(`lean_update_ranges`), was 1-3 points slower than torch's kernel there in three A/B runs.
 Bitwise matters for the comparison with a resident run: parameters whose true gradient is zero
 (attention key biases) train on rounding noise, and Adam's normalisation turns a 1-ulp difference
 there into a full learning-rate step. torch's default, single-tensor AdamW is not the target: it

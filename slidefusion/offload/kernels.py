@@ -37,7 +37,7 @@ def _signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_floor.argtypes = [P, P, P, ctypes.c_int32, L]
     for fn in (lib.adamw, lib.touch, lib.lean_update, lib.lean_floor):
         fn.restype = None
-    if hasattr(lib, "lean_update_ranges"):
+    if hasattr(lib, "lean_update_ranges"):  # built with OpenMP
         lib.lean_update_ranges.argtypes, lib.lean_update_ranges.restype = [P, P, ctypes.c_int32], None
     return lib
 

@@ -107,8 +107,10 @@ def test_threaded_update_is_identical_to_one_call():
     p0, g = torch.randn(n), torch.randn(n)
     one = _ours(adamw_, p0, [g, g], cfg, torch.float32, ends=ends)
     for threads in (2, 3, 5):
-        split = _ours(adamw_parallel_, p0, [g, g], cfg, torch.float32, ends=ends, threads=threads)
-        assert all(torch.equal(a, b) for a, b in zip(one, split))
+        for in_torch_pool in (False, True):  # our pool's threads, or torch's kernel on its own
+            split = _ours(adamw_parallel_, p0, [g, g], cfg, torch.float32, ends=ends, threads=threads,
+                          in_torch_pool=in_torch_pool)
+            assert all(torch.equal(a, b) for a, b in zip(one, split))
 
 
 @pytest.mark.parametrize("c_kernel", [True, False], ids=["c", "torch"])

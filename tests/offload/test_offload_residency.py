@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.pinning import HostAllocator
@@ -130,3 +131,5 @@ def test_updates_overlap_by_default_except_on_a_cpu_device_computing_in_place():
     assert _policy(zero_copy=True).overlapped is False and _policy(zero_copy=True).threads == torch.get_num_threads()
     assert _policy(zero_copy=False).overlapped and _policy(zero_copy=False).threads == 1  # a simulated device
     assert _policy(zero_copy=True, overlap=True).overlapped and _policy(zero_copy=True, optimizer_threads=3).threads == 3
+    with pytest.raises(UserError, match="overlap='yes' must be True, False or None"):
+        _policy(overlap="yes")

@@ -275,13 +275,12 @@ def results_markdown(results: dict) -> str:
     budget = results["budget"]
     parts = []
     for length, rows in results["table"].items():
-        frames = budget["short_frames"] if length == "short" else budget["long_frames"]
+        frames = budget[f"{length}_frames"]
         parts += [f"### {length} clips: {frames} frames of {budget['height']}x{budget['width']}, "
                   f"{budget['eval_videos']} held-out prompts", "", format_table(rows), ""]
     for length, rows in results.get("paired", {}).items():
         if rows:
-            frames = budget["short_frames"] if length == "short" else budget["long_frames"]
-            parts += [f"### {REFERENCE} minus each row at {frames} frames, video by video (same prompts and seeds)", "",
+            parts += [f"### {REFERENCE} minus each row at {budget[f'{length}_frames']} frames, video by video (same prompts and seeds)", "",
                       "| against | text alignment | subject consistency |", "|---|---|---|"]
             parts += [f"| {row} | {d['aligned']:+.3f} ± {d['aligned_se']:.3f} | "
                       f"{d['consistency']:+.3f} ± {d['consistency_se']:.3f} |" for row, d in rows.items()]

@@ -96,7 +96,7 @@ def add_experiment_parser(sub) -> None:
                                             "losses.png. Rerunning the same command resumes.")
     ablation.add_argument("--budget", choices=list(BUDGETS), default="full",
                           help="full: 32 frames, 240 steps, about 110 min on 2 cores; motion: 16 frames, 960 steps, "
-                               "about 2 h; quick: a smoke run of every stage (under a minute)")
+                               "144 prompts, about 3 h; quick: a smoke run of every stage (under a minute)")
     ablation.add_argument("--out", type=types.output_folder, default="experiments/attention-ablation", help="output folder")
     ablation.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="a subset (default: all)")
     ablation.set_defaults(func=cmd_experiment)

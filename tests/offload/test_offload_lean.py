@@ -4,7 +4,6 @@ import copy
 import itertools
 import os
 import shutil
-
 from pathlib import Path
 
 import pytest

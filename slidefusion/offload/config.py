@@ -29,6 +29,8 @@ class OffloadConfig:
     tile: int | str | bool = "off"  # frames of the token grid per tile inside a block: N, auto or off
     spill_dir: str | None = None  # a folder on a local disk for the checkpoints past spill_after
     spill_after: int | str = 0  # checkpoint bytes kept in host memory before spilling, e.g. 64GB (0: spill all)
+    overlap: bool | str = "auto"  # AdamW on a thread beside the compute: auto (yes, except on a CPU device), true, false
+    optimizer_threads: int | str = "auto"  # threads of the host AdamW: auto (half the cores with a GPU) or N >= 1
 
     def __post_init__(self):
         check(self.compute_dtype in DTYPES, f"offload.compute_dtype={self.compute_dtype!r} is unknown; valid: {', '.join(DTYPES)}")
@@ -47,6 +49,10 @@ class OffloadConfig:
         check((self.tile == "off" and self.spill_dir is None) or self.checkpoint,
               "offload.tile and offload.spill_dir need offload.checkpoint=true (they work on recomputed blocks)")
         self.spill_after_bytes  # noqa: B018 - validates the size
+        check(self.overlap in ("auto", True, False), f"offload.overlap={self.overlap!r} must be auto, true or false")
+        check(self.optimizer_threads == "auto" or (isinstance(self.optimizer_threads, int)
+              and not isinstance(self.optimizer_threads, bool) and self.optimizer_threads >= 1),
+              f"offload.optimizer_threads={self.optimizer_threads!r} must be auto or an int >= 1")
 
     @property
     def spill_after_bytes(self) -> int:

@@ -22,7 +22,9 @@ def offload_policy(config) -> OffloadPolicy:
                          moments=off.moments, rounding=off.rounding, optim=config.optim, prefetch=off.prefetch,
                          checkpoint=off.checkpoint, resident_blocks=0 if off.resident_blocks == "auto" else off.resident_blocks,
                          pin_budget=off.pin_budget_bytes, tile=off.tile if isinstance(off.tile, int) else None,
-                         spill_dir=off.spill_dir, spill_after=off.spill_after_bytes)
+                         spill_dir=off.spill_dir, spill_after=off.spill_after_bytes,
+                         overlap=None if off.overlap == "auto" else off.overlap,
+                         optimizer_threads=None if off.optimizer_threads == "auto" else off.optimizer_threads)
 
 
 def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int],

@@ -103,7 +103,8 @@ KEYS = [
     ("model", ["dit3d-tiny", "[1, 2]", "5"]), ("model.preset", ["[1]"]),
     ("offload.compute_dtype", ["fp8"]), ("offload.prefetch", ["-1"]),
     ("offload.tile", ["0", "-1", "1.5", "abc", "[2]"]), ("offload.spill_after", ["-1", "lots", "64GB"]),
-    ("offload.spill_dir", ["''", "[1]"]),
+    ("offload.spill_dir", ["''", "[1]"]), ("offload.overlap", ["maybe", "1", "[true]"]),
+    ("offload.optimizer_threads", ["0", "-1", "1.5", "true", "all"]),
     ("lora.rank", ["0", "-1", "abc", "1.5", "true", "4"]), ("lora.alpha", ["0", "-1", ".nan"]),
     ("lora.target_modules", ["[]", "5", "['']"]), ("data.cache_dir", ["[1]"]),
 ]

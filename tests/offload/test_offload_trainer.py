@@ -36,3 +36,12 @@ def test_train_offload_flag(tmp_path, capsys):
     assert (tmp_path / "tiny" / "checkpoint-2" / "model.safetensors").is_file()
     config = (tmp_path / "tiny" / "config.json").read_text()
     assert '"enabled": true' in config
+
+
+def test_offload_schedule_keys_reach_the_engine_and_keep_the_run(tmp_path):
+    default = Trainer(_config(tmp_path / "a", "run.steps=3", "offload.enabled=true"), quiet=True)
+    assert not default.optimizer.policy.overlapped  # a CPU device computing in place: updates in line
+    forced = Trainer(_config(tmp_path / "b", "run.steps=3", "offload.enabled=true", "offload.overlap=true",
+                             "offload.optimizer_threads=2"), quiet=True)
+    assert forced.optimizer.policy.overlapped and forced.optimizer.policy.optimizer_threads == 2
+    assert forced.train().losses == default.train().losses

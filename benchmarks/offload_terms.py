@@ -65,7 +65,7 @@ def measure(libs: dict, master: str, moments: str, n: int, repeats: int) -> dict
     for name, lib in libs.items():
         fns[(name, "cache")] = timed(lib, bench._lean_buffers(32 * QBLOCK, master, moments), 100, cfg), 32 * QBLOCK * 100
         fns[(name, "dram")] = timed(lib, bench._lean_buffers(n, master, moments), 1, cfg), n
-    fns[("floor", "dram")] = bench._floor(libs["kernel"], bench._lean_buffers(n, master, moments)), n
+    fns[("floor", "dram")] = bench._floor(libs["kernel"], bench._lean_buffers(n, master, moments), 1), n
     for fn, _ in fns.values():
         fn()
     times = {key: [] for key in fns}

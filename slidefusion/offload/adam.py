@@ -17,7 +17,7 @@ The C pass split over those same threads through OpenMP, as the lean kernels are
 Bitwise matters for the comparison with a resident run: parameters whose true gradient is zero
 (attention key biases) train on rounding noise, and Adam's normalisation turns a 1-ulp difference
 there into a full learning-rate step. torch's default, single-tensor AdamW is not the target: it
-takes its square root from MKL, which is 1 ulp low on ~0.6 % of inputs, so matching it needs
+takes its square root from MKL, 1 ulp off on 0.6-20 % of inputs (by CPU), so matching it needs
 torch.sqrt between two passes (2.03 against 1.41 ns per parameter on one core, README). The two
 torch optimizers differ only there.
 The hyper-parameters come from `OptimConfig` (betas, eps, weight_decay; the learning rate is passed

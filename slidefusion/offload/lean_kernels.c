@@ -7,9 +7,10 @@
    pointers with the constants in registers, and gcc vectorizes every one of them (one value per
    SIMD lane; -fopt-info-vec). 8-bit moments take a second pass over a cache-resident scratch,
    because a block's scale (its absmax, taken in the update loop) is known only after its update.
-   On one core they reach 18-76 % of a bandwidth floor that moves each stream alone; what each
-   term costs (division and square root, hash, 8-bit codec) is measured by
-   benchmarks/offload_terms.py, and even with all of them stubbed out the loops stay at 51-80 %.
+   On one core they reach 18-87 % of a bandwidth floor that moves each stream alone (two machines,
+   README); what each term costs (division and square root, hash, 8-bit codec) is measured by
+   benchmarks/offload_terms.py; with all of them stubbed out the loops stay at 39-88 % of it
+   (bf16 / fp32 aside).
 
    The arithmetic is written as separate multiplies and adds (built with -ffp-contract=off) so that
    `lean.py`'s plain-torch reference, one tensor operation per step here, is bitwise equal:

@@ -57,14 +57,16 @@ def test_kernel_is_bitwise_torch_fused_adamw(grad_dtype, compute_dtype, c_kernel
 
 
 def test_torch_default_adamw_differs_only_by_its_square_root():
-    """Why the target is the fused optimizer: the default one's MKL square root is sometimes 1 ulp low."""
+    """Why the target is the fused optimizer: the default one's MKL square root is sometimes 1 ulp
+    off (low on ~0.6 % of inputs on an Intel CPU; either way on ~20 % on an AMD Zen 5)."""
     torch.manual_seed(4)
     v = torch.rand(100_000)
     correctly_rounded = v.double().sqrt().float()
-    low = torch.sqrt(v) != correctly_rounded
-    if not low.any():
+    off = torch.sqrt(v) != correctly_rounded
+    if not off.any():
         pytest.skip("this torch build's sqrt is correctly rounded")
-    assert (torch.sqrt(v)[low] < correctly_rounded[low]).all()
+    ulps = (torch.sqrt(v).view(torch.int32) - correctly_rounded.view(torch.int32)).abs()
+    assert ulps.max() == 1
 
 
 def test_tails_are_left_to_torch():

@@ -10,6 +10,8 @@ Measurements, side by side in one run, alternating, after warm-up, medians quote
               max_grad_norm (deferred updates), with resident blocks, and on CUDA without prefetch.
               On a CPU device the engine computes from its host buffers in place; "copy threads"
               is the engine copying through threads as it would over PCIe (the race tests' mode).
+              `resident, fused AdamW + clip` is the anchor of the clipping runner. --isolate runs
+              each runner in a process of its own per round (no heap shaped by another runner).
   residency   a transfer-bound configuration: the CPU copy threads throttled to --bandwidth, the
               engine with 0, half and all blocks resident.
   wan         a Wan-shaped row (offload_wan.py): a random diffusers WanTransformer3DModel, ~25 M
@@ -35,7 +37,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -89,9 +93,13 @@ def parse_args(argv=None):
                    help="step-time runners (each engine holds its own host state: leave some out for big models)")
     p.add_argument("--bandwidth", default="250MB/s", help="the residency section's copy bandwidth (CPU): low enough to be transfer-bound")
     p.add_argument("--optimizer-threads", type=int, default=1, help="threads for our kernels in the optimizer section")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="step section: each runner in a process of its own, alternating, one per round (no runner "
+                        "then works in a heap another runner shaped)")
     p.add_argument("--out", default="runs/benchmarks/offload", help="folder for offload.json")
     offload_wan.add_arguments(p)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # an --isolate run passes them on to each runner
     if args.quick:
         args.hidden, args.heads, args.latent, args.repeats, args.steps_per_round, args.params = 128, 4, "2x8x8", 3, 2, 2e6
         offload_wan.quick(args)
@@ -218,7 +226,8 @@ def _engine_facts(engine: OffloadEngine) -> dict:
             "copy_thread_s_per_step": sum(c.worker.busy_s for c in (engine.h2d, engine.d2h) if hasattr(c, "worker")) / s.steps}
 
 
-def bench_step(args) -> dict:
+def _in_process(args) -> dict:
+    """Every runner in this process, alternating: the step section's `median_s` and the rest."""
     dtype, cuda = getattr(torch, args.dtype), torch.device(args.device).type == "cuda"
     runners = {}
     for name in args.runners:
@@ -227,17 +236,48 @@ def bench_step(args) -> dict:
         elif name != "offloaded, no prefetch" or cuda:  # on CPU copies and compute share the cores
             runners[name] = _engine(args, OFFLOADED[name])
     medians, peak = _alternate(runners, args, _batch(args, args.device))
-    cpu_s = peak.pop("cpu_s")
-    params = sum(p.numel() for p in next(iter(runners.values())).model.parameters())
-    t, h, w = (int(s) for s in args.latent.split("x"))
-    per_sample = t * (h // 2) * (w // 2)
-    result = {"params": params, "blocks": args.depth, "tokens": args.batch * per_sample, "dtype": args.dtype,
-              "device": args.device, "checkpointing": "every block boundary, all runners", "median_s": medians,
-              "median_process_cpu_s": cpu_s,
+    result = {"params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()), "median_s": medians,
+              "median_process_cpu_s": peak.pop("cpu_s"), "peak": peak,
               "engine": {n: _engine_facts(r) for n, r in runners.items() if isinstance(r, OffloadEngine)}}
     for runner in runners.values():
         if isinstance(runner, OffloadEngine):
             runner.close()
+    return result
+
+
+def _isolated(args) -> dict:
+    """`--isolate`: per round, each runner in a fresh process (one warm-up round and one timed round
+    there), in turn; medians over the rounds. In one process a runner that frees its gradients after
+    each step works in a heap the other runners reshaped meanwhile, and pays page faults for it."""
+    rounds: list[dict] = []
+    with tempfile.TemporaryDirectory() as folder:
+        names = [n for n in args.runners if n != "offloaded, no prefetch" or torch.device(args.device).type == "cuda"]
+        for _ in range(args.repeats):
+            for name in names:
+                out = Path(folder) / "run"
+                argv = [*args.argv, "--no-isolate", "--runners", name, "--repeats", "1", "--skip", "residency", "wan",
+                        "optimizer", "--out", str(out)]
+                subprocess.run([sys.executable, __file__, *argv], check=True, stdout=subprocess.DEVNULL)
+                rounds.append(json.loads((out / "offload.json").read_text())["step"])
+    merged = {"params": rounds[0]["params"], "engine": {}, "peak": {}, "isolated_rounds": args.repeats}
+    for key in ("median_s", "median_process_cpu_s"):
+        merged[key] = {name: statistics.median(r[key][name] for r in rounds if name in r[key]) for name in names}
+    for r in rounds:  # the last round's engine facts and peaks
+        merged["engine"].update(r["engine"])
+        merged["peak"].update(r.get("peak_device_bytes", {}))
+    return merged
+
+
+def bench_step(args) -> dict:
+    cuda = torch.device(args.device).type == "cuda"
+    measured = _isolated(args) if args.isolate else _in_process(args)
+    medians, cpu_s, peak, params = measured["median_s"], measured["median_process_cpu_s"], measured["peak"], measured["params"]
+    t, h, w = (int(s) for s in args.latent.split("x"))
+    per_sample = t * (h // 2) * (w // 2)
+    result = {"params": params, "blocks": args.depth, "tokens": args.batch * per_sample, "dtype": args.dtype,
+              "device": args.device, "checkpointing": "every block boundary, all runners", "median_s": medians,
+              "median_process_cpu_s": cpu_s, "engine": measured["engine"],
+              "runners_in": "a process each, per round" if args.isolate else "one process, alternating"}
     resident = {n: s for n, s in medians.items() if n in RESIDENT and n not in CLIPPED.values()}
     clipped = {n: medians[n] / medians[a] for n, a in CLIPPED.items() if n in medians and a in medians}
     if clipped:  # the fastest resident does not clip; a clipping runner also against one that does
@@ -447,7 +487,7 @@ def table(results: dict) -> str:
     if "step" in results:
         s = results["step"]
         lines.append(f"step time, {s['blocks']}-block DiT3D, {s['params'] / 1e6:.1f} M params, {s['tokens']} tokens, "
-                     f"{s['dtype']} on {s['device']} (median of the alternating runs); fastest resident: "
+                     f"{s['dtype']} on {s['device']} (medians; runners in {s.get('runners_in', 'one process, alternating')}); fastest resident: "
                      f"{s.get('fastest_resident')}")
         for name, seconds in s["median_s"].items():
             ratio = f"x{s['ratio_to_fastest_resident'][name]:.3f} of the fastest resident" if "ratio_to_fastest_resident" in s else ""

@@ -58,7 +58,7 @@ def test_kernel_is_bitwise_torch_fused_adamw(grad_dtype, compute_dtype, c_kernel
 
 def test_torch_default_adamw_differs_only_by_its_square_root():
     """Why the target is the fused optimizer: the default one's MKL square root is sometimes 1 ulp
-    off (low on ~0.6 % of inputs on an Intel CPU; either way on ~20 % on an AMD Zen 5)."""
+    off (low only, on ~0.6 % of inputs, on the earlier sessions' CPU; either way on ~20 % on an AMD Zen 5)."""
     torch.manual_seed(4)
     v = torch.rand(100_000)
     correctly_rounded = v.double().sqrt().float()

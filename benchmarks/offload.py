@@ -226,15 +226,17 @@ def _engine_facts(engine: OffloadEngine) -> dict:
             "copy_thread_s_per_step": sum(c.worker.busy_s for c in (engine.h2d, engine.d2h) if hasattr(c, "worker")) / s.steps}
 
 
+def _step_runners(args) -> list[str]:
+    """The runners the step section times on this device."""
+    cuda = torch.device(args.device).type == "cuda"  # on CPU copies and compute share the cores: prefetch always
+    return [name for name in args.runners if name != "offloaded, no prefetch" or cuda]
+
+
 def _in_process(args) -> dict:
     """Every runner in this process, alternating: the step section's `median_s` and the rest."""
-    dtype, cuda = getattr(torch, args.dtype), torch.device(args.device).type == "cuda"
-    runners = {}
-    for name in args.runners:
-        if name in RESIDENT:
-            runners[name] = Resident(_model(args), args.device, dtype, **RESIDENT[name])
-        elif name != "offloaded, no prefetch" or cuda:  # on CPU copies and compute share the cores
-            runners[name] = _engine(args, OFFLOADED[name])
+    dtype = getattr(torch, args.dtype)
+    runners = {name: Resident(_model(args), args.device, dtype, **RESIDENT[name]) if name in RESIDENT
+               else _engine(args, OFFLOADED[name]) for name in _step_runners(args)}
     medians, peak = _alternate(runners, args, _batch(args, args.device))
     result = {"params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()), "median_s": medians,
               "median_process_cpu_s": peak.pop("cpu_s"), "peak": peak,
@@ -250,8 +252,8 @@ def _isolated(args) -> dict:
     there), in turn; medians over the rounds. In one process a runner that frees its gradients after
     each step works in a heap the other runners reshaped meanwhile, and pays page faults for it."""
     rounds: list[dict] = []
+    names = _step_runners(args)
     with tempfile.TemporaryDirectory() as folder:
-        names = [n for n in args.runners if n != "offloaded, no prefetch" or torch.device(args.device).type == "cuda"]
         for _ in range(args.repeats):
             for name in names:
                 out = Path(folder) / "run"
@@ -259,7 +261,7 @@ def _isolated(args) -> dict:
                         "optimizer", "--out", str(out)]
                 subprocess.run([sys.executable, __file__, *argv], check=True, stdout=subprocess.DEVNULL)
                 rounds.append(json.loads((out / "offload.json").read_text())["step"])
-    merged = {"params": rounds[0]["params"], "engine": {}, "peak": {}, "isolated_rounds": args.repeats}
+    merged = {"params": rounds[0]["params"], "engine": {}, "peak": {}}
     for key in ("median_s", "median_process_cpu_s"):
         merged[key] = {name: statistics.median(r[key][name] for r in rounds if name in r[key]) for name in names}
     for r in rounds:  # the last round's engine facts and peaks

@@ -13,6 +13,11 @@ from slidefusion.offload.policy import COMPUTE_DTYPES, MASTERS, MOMENTS, ROUNDIN
 DTYPES = COMPUTE_DTYPES
 
 
+def _is_count(value) -> bool:
+    """An int >= 1 (YAML's true and false are bools, which Python counts as ints)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass
 class OffloadConfig:
     """Train with `OffloadEngine`: weights and AdamW state in host memory, blocks streamed."""
@@ -42,7 +47,7 @@ class OffloadConfig:
         self.pin_budget_bytes  # noqa: B018 - validates the size
         if self.tile is False:  # YAML reads a bare `off` as false
             self.tile = "off"
-        check(self.tile in ("auto", "off") or (isinstance(self.tile, int) and not isinstance(self.tile, bool) and self.tile >= 1),
+        check(self.tile in ("auto", "off") or _is_count(self.tile),
               f"offload.tile={self.tile!r} must be auto, off or a number of frames >= 1")
         check(self.spill_dir is None or bool(str(self.spill_dir).strip()), f"offload.spill_dir={self.spill_dir!r} must name a folder")
         check(self.spill_dir is not None or self.spill_after in (0, "0"), "offload.spill_after needs offload.spill_dir")
@@ -50,8 +55,7 @@ class OffloadConfig:
               "offload.tile and offload.spill_dir need offload.checkpoint=true (they work on recomputed blocks)")
         self.spill_after_bytes  # noqa: B018 - validates the size
         check(self.overlap in ("auto", True, False), f"offload.overlap={self.overlap!r} must be auto, true or false")
-        check(self.optimizer_threads == "auto" or (isinstance(self.optimizer_threads, int)
-              and not isinstance(self.optimizer_threads, bool) and self.optimizer_threads >= 1),
+        check(self.optimizer_threads == "auto" or _is_count(self.optimizer_threads),
               f"offload.optimizer_threads={self.optimizer_threads!r} must be auto or an int >= 1")
 
     @property

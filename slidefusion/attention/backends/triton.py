@@ -3,7 +3,7 @@
 One program handles BLOCK_Q consecutive query tokens of one (sample, head). It walks the K window
 slots with an online softmax (FlashAttention's running max and sum), so nothing of size N*K is
 stored: per slot it builds the trilinearly interpolated key and value rows from their 8 corners
-(`_corner`, shared by both passes), which stay in L1/L2 because neighbouring queries read
+(`_gather`, shared by both passes), which stay in L1/L2 because neighbouring queries read
 overlapping windows. The forward stores the log-sum-exp; the backward replays the walk from it.
 dK and dV go to their corners with atomic adds (a corner is shared by many queries), and the
 offset gradient of a slot is d score / d point plus p * dO . d value / d point, zeroed where the
@@ -84,6 +84,53 @@ def _starts(n, T, H, W, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _gather(K, V, base, stride, d, m2, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W,
+            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, GRADS: tl.constexpr):
+    """One slot's interpolated key and value rows (BLOCK_Q, BLOCK_D) from their 8 corners; with GRADS
+    also each row's derivative along t, h and w (for the offset gradient; zeros without)."""
+    kv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    vv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    dk_t = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    dk_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    dk_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    dv_t = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    dv_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    dv_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+    for c in tl.static_range(8):
+        token, wgt, gt, gh, gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
+        ptr = base + token[:, None] * stride + d[None, :]
+        kc = tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
+        vc = tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
+        kv += wgt[:, None] * kc
+        vv += wgt[:, None] * vc
+        if GRADS:
+            dk_t += gt[:, None] * kc
+            dk_h += gh[:, None] * kc
+            dk_w += gw[:, None] * kc
+            dv_t += gt[:, None] * vc
+            dv_h += gh[:, None] * vc
+            dv_w += gw[:, None] * vc
+    return kv, vv, dk_t, dk_h, dk_w, dv_t, dv_h, dv_w
+
+
+@triton.jit
+def _scatter(DK, DV, base, stride, d, m2, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W, q, do, ds, scale, p):
+    """Add one slot's dK (weight * ds * scale * q) and dV (weight * p * dO) into its 8 corners;
+    atomics, as neighbouring queries share corners."""
+    for c in tl.static_range(8):
+        token, wgt, _gt, _gh, _gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
+        ptr = base + token[:, None] * stride + d[None, :]
+        tl.atomic_add(DK + ptr, (wgt * ds * scale)[:, None] * q, mask=m2)
+        tl.atomic_add(DV + ptr, (wgt * p)[:, None] * do, mask=m2)
+
+
+@triton.jit
+def _axis_grad(inside, a, p, q, do, dk, dv):
+    """d loss / d point along one axis: through the score and through the value, zero where clamped."""
+    return tl.where(inside, a * tl.sum(q * dk, axis=1) + p * tl.sum(do * dv, axis=1), 0.0)
+
+
+@triton.jit
 def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
                KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, KO: tl.constexpr, HAS_OFF: tl.constexpr,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
@@ -106,13 +153,8 @@ def _slide_fwd(Q, K, V, OFF, OUT, LSE, T, H, W, N, HEADS, scale,
         t0, t1, ft, _it = _axis(pt, T)
         h0, h1, fh, _ih = _axis(ph, H)
         w0, w1, fw, _iw = _axis(pw, W)
-        kv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        vv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        for c in tl.static_range(8):
-            token, wgt, _gt, _gh, _gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
-            ptr = base + token[:, None] * stride + d[None, :]
-            kv += wgt[:, None] * tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
-            vv += wgt[:, None] * tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
+        kv, vv, _, _, _, _, _, _ = _gather(K, V, base, stride, d, m2, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W,
+                                           BLOCK_Q, BLOCK_D, False)
         score = tl.sum(q * kv, axis=1) * scale
         score = tl.where((pt == pt) & (ph == ph) & (pw == pw), score, float("nan"))  # NaN offsets: NaN out
         m_new = tl.maximum(m_i, score)
@@ -154,42 +196,17 @@ def _slide_bwd(Q, K, V, OFF, DO, LSE, DELTA, DQ, DK, DV, DOFF, T, H, W, N, HEADS
         t0, t1, ft, in_t = _axis(pt, T)
         h0, h1, fh, in_h = _axis(ph, H)
         w0, w1, fw, in_w = _axis(pw, W)
-        kv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        vv = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        # d(interpolated row)/d(point) per axis, for the offset gradient.
-        dk_t = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        dk_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        dk_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        dv_t = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        dv_h = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        dv_w = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
-        for c in tl.static_range(8):
-            token, wgt, gt, gh, gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
-            ptr = base + token[:, None] * stride + d[None, :]
-            kc = tl.load(K + ptr, mask=m2, other=0.0).to(tl.float32)
-            vc = tl.load(V + ptr, mask=m2, other=0.0).to(tl.float32)
-            kv += wgt[:, None] * kc
-            vv += wgt[:, None] * vc
-            if HAS_OFF:
-                dk_t += gt[:, None] * kc
-                dk_h += gh[:, None] * kc
-                dk_w += gw[:, None] * kc
-                dv_t += gt[:, None] * vc
-                dv_h += gh[:, None] * vc
-                dv_w += gw[:, None] * vc
+        kv, vv, dk_t, dk_h, dk_w, dv_t, dv_h, dv_w = _gather(K, V, base, stride, d, m2, t0, t1, h0, h1, w0, w1,
+                                                             ft, fh, fw, H, W, BLOCK_Q, BLOCK_D, HAS_OFF)
         p = tl.exp(tl.sum(q * kv, axis=1) * scale - lse)
         ds = p * (tl.sum(do * vv, axis=1) - delta)  # d loss / d score
         dq += ds[:, None] * kv
-        for c in tl.static_range(8):
-            token, wgt, _gt, _gh, _gw = _corner(c, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W)
-            ptr = base + token[:, None] * stride + d[None, :]
-            tl.atomic_add(DK + ptr, (wgt * ds * scale)[:, None] * q, mask=m2)
-            tl.atomic_add(DV + ptr, (wgt * p)[:, None] * do, mask=m2)
+        _scatter(DK, DV, base, stride, d, m2, t0, t1, h0, h1, w0, w1, ft, fh, fw, H, W, q, do, ds, scale, p)
         if HAS_OFF:
             a = ds * scale
-            gt = tl.where(in_t, a * tl.sum(q * dk_t, axis=1) + p * tl.sum(do * dv_t, axis=1), 0.0)
-            gh = tl.where(in_h, a * tl.sum(q * dk_h, axis=1) + p * tl.sum(do * dv_h, axis=1), 0.0)
-            gw = tl.where(in_w, a * tl.sum(q * dk_w, axis=1) + p * tl.sum(do * dv_w, axis=1), 0.0)
+            gt = _axis_grad(in_t, a, p, q, do, dk_t, dv_t)
+            gh = _axis_grad(in_h, a, p, q, do, dk_h, dv_h)
+            gw = _axis_grad(in_w, a, p, q, do, dk_w, dv_w)
             if KO > 1:
                 ptr = DOFF + (off_row * KO + s) * 3
                 tl.store(ptr + 0, gt, mask=qmask)

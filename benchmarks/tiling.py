@@ -156,7 +156,7 @@ def run_child(spec: dict) -> dict:
     if hasattr(store, "bytes_written"):
         result.update(spill_written=store.bytes_written, spill_read=store.bytes_read, spill_write_s=store.write_s,
                       spill_read_s=store.read_s, spill_exposed_s=store.exposed_s, direct=store.file.direct,
-                      read_peak=store.read_peak, write_peak=store.write_peak)
+                      read_peak=store.reading.peak, write_peak=store.writing.peak)
     engine.close()
     return result
 

@@ -12,8 +12,8 @@ Both default to one block: while block i computes, only block i - 1 is being wri
 read (backward), so beside the block in use the store holds at most one block's inputs that it
 would not hold without a disk. That is all the overlap needs when a block's compute takes longer
 than its transfer (the disk keeps up); a deeper queue only helps a disk that stalls now and then,
-and costs a block's inputs of host memory per step of depth. `read_peak` and `write_peak` are the
-high-water marks, in bytes, of the blocks read ahead and not yet taken, and of those being written.
+and costs a block's inputs of host memory per step of depth. `reading` and `writing` gauge the bytes
+of the blocks read ahead and not yet taken, and of those being written (`.peak`: high-water marks).
 
 The bytes on disk are the tensors' own, so results are bitwise those of host-resident checkpoints.
 Tensors seen in an earlier block of the step (the conditioning and text every block shares), and
@@ -36,6 +36,19 @@ from slidefusion.errors import UserError
 from slidefusion.offload.hooks import KeptCheckpoints
 from slidefusion.offload.spill import KEY, SpillFile, aligned
 from slidefusion.offload.transfer import DONE, Handle, Worker
+
+
+class Gauge:
+    """Bytes held for one purpose, moved by several threads, and their high-water mark."""
+
+    def __init__(self):
+        self.value = self.peak = 0
+        self._lock = threading.Lock()
+
+    def add(self, change: int) -> None:
+        with self._lock:
+            self.value += change
+            self.peak = max(self.peak, self.value)
 
 
 class Entry:
@@ -63,8 +76,7 @@ class SpilledCheckpoints:
         self.writer, self.reader = Worker("offload-spill-write"), Worker("offload-spill-read")
         self.bytes_written = self.bytes_read = self.last_step_bytes = 0
         self.write_s = self.read_s = self.exposed_s = 0.0
-        self.lock = threading.Lock()  # the two counters below, moved by the writer, the reader and the caller
-        self.reading = self.writing = self.read_peak = self.write_peak = 0
+        self.reading, self.writing = Gauge(), Gauge()  # moved by the reader, the writer and the caller
         self._reset()
 
     def _reset(self) -> None:
@@ -101,7 +113,7 @@ class SpilledCheckpoints:
         if not entry.evicted:
             self.memory -= entry.nbytes
         if entry.read is not None:
-            self._count("reading", -entry.nbytes)
+            self.reading.add(-entry.nbytes)
         tensors, entry.tensors = entry.tensors, None
         self._prefetch(entry.index)
         return [_to_device(t, self.device, entry.meta[i][2]) if i in entry.meta else t for i, t in enumerate(tensors)]
@@ -121,7 +133,7 @@ class SpilledCheckpoints:
         """After the step (or its failure): drain the threads, drop every block, free the disk."""
         self.writer, self.reader = _drained(self.writer, "offload-spill-write"), _drained(self.reader, "offload-spill-read")
         self.last_step_bytes = max(self.last_step_bytes, self.cursor)
-        self.reading = self.writing = 0  # blocks read ahead and never taken (a failed step) are dropped
+        self.reading.value = self.writing.value = 0  # blocks read ahead and never taken (a failed step) are dropped
         self._reset()
         self.file.release()
 
@@ -148,7 +160,7 @@ class SpilledCheckpoints:
                 continue
             self._throttle()
             entry.evicted, self.memory = True, self.memory - entry.nbytes
-            self._count("writing", entry.nbytes)
+            self.writing.add(entry.nbytes)
             for i in entry.big:
                 entry.offsets.append(self.cursor)
                 self.cursor += aligned(entry.meta[i][0].numel() * entry.meta[i][1].itemsize)
@@ -173,7 +185,7 @@ class SpilledCheckpoints:
             return
         finally:
             self.write_s += time.perf_counter() - start
-            self._count("writing", -entry.nbytes)
+            self.writing.add(-entry.nbytes)
         with entry.lock:
             if not entry.claimed:  # free the memory; a block already taken keeps its tensors
                 for i in entry.big:
@@ -183,7 +195,7 @@ class SpilledCheckpoints:
         entry.read = self.reader.submit(partial(self._load, entry), (entry.written,))
 
     def _load(self, entry: Entry) -> None:
-        self._count("reading", entry.nbytes)
+        self.reading.add(entry.nbytes)
         start = time.perf_counter()
         for i, offset in zip(entry.big, entry.offsets):
             if entry.tensors[i] is not None:  # still in memory: its write failed or it was taken early
@@ -194,14 +206,6 @@ class SpilledCheckpoints:
             self.bytes_read += aligned(out.numel() * out.element_size())
             entry.tensors[i] = out
         self.read_s += time.perf_counter() - start
-
-    def _count(self, name: str, change: int) -> None:
-        """Move one of the in-memory byte counters (`reading`, `writing`) and its high-water mark."""
-        peak = {"reading": "read_peak", "writing": "write_peak"}[name]
-        with self.lock:
-            value = getattr(self, name) + change
-            setattr(self, name, value)
-            setattr(self, peak, max(getattr(self, peak), value))
 
     def _prefetch(self, below: int) -> None:
         """Start reading the `read_ahead` blocks on disk that the backward pass needs next."""

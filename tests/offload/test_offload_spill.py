@@ -86,8 +86,8 @@ def test_the_disk_queues_hold_one_block(tmp_path):
     assert _run(engine) == _run(reference)
     _bitwise(engine.model_state_dict(), reference.model_state_dict())
     # block 0's entry also holds the conditioning every block shares (a few KiB): one entry, not two
-    assert BLOCK <= store.read_peak < 2 * BLOCK and BLOCK <= store.write_peak < 2 * BLOCK
-    assert store.reading == store.writing == 0
+    assert BLOCK <= store.reading.peak < 2 * BLOCK and BLOCK <= store.writing.peak < 2 * BLOCK
+    assert store.reading.value == store.writing.value == 0
     engine.close()
     reference.close()
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slidefusion.offload import kernels, lean
-from slidefusion.offload.formats import QBLOCK
+from slidefusion.offload.optim import lean
+from slidefusion.offload.optim import kernels
+from slidefusion.offload.optim.formats import QBLOCK
 from slidefusion.optim import OptimConfig
 
 import offload as bench  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path

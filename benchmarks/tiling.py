@@ -182,7 +182,7 @@ def disk_bandwidth(folder: str, megabytes: int) -> dict:
     """Write then read `megabytes` through a SpillFile (large aligned writes, O_DIRECT if taken): GB/s."""
     import torch
 
-    from slidefusion.offload.spill import SpillFile
+    from slidefusion.offload.tiling.spill import SpillFile
 
     data = torch.randint(0, 255, (megabytes << 20,), dtype=torch.uint8)
     spill = SpillFile(folder)

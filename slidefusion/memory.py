@@ -14,13 +14,8 @@ import torch
 
 from slidefusion.errors import UserError
 from slidefusion.models import ModelConfig, build_model
-from slidefusion.offload.planner import (
-    WORKING_VALUES_PER_TOKEN,
-    Workload,
-    attention_workspace,
-    available_host_memory,
-    human,
-)
+from slidefusion.offload.plan.plan import available_host_memory, human
+from slidefusion.offload.tiling.activations import WORKING_VALUES_PER_TOKEN, Workload, attention_workspace
 
 FP32 = 4
 KNOWN_ATTENTION = ("dense", "window", "slide")

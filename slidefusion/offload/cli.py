@@ -63,7 +63,7 @@ def _resident(text: str) -> int | str:
 
 
 def cmd_plan(args) -> None:
-    from slidefusion.offload.planner import Workload, grid_for, human, largest_frames, model_shape, plan_training, report
+    from slidefusion.offload.plan.planner import Workload, grid_for, human, largest_frames, model_shape, plan_training, report
 
     shape, stride = model_shape(args.model), args.vae_stride
     sizes = {"gpu_memory": args.gpu_memory, "host_memory": args.host_memory, "pcie_bytes_s": args.pcie,

@@ -7,7 +7,7 @@ from it and the `optim:` section.
 from dataclasses import dataclass
 
 from slidefusion.errors import check
-from slidefusion.offload.planner import parse_bytes
+from slidefusion.offload.plan.planner import parse_bytes
 from slidefusion.offload.policy import COMPUTE_DTYPES, MASTERS, MOMENTS, ROUNDINGS
 
 DTYPES = COMPUTE_DTYPES

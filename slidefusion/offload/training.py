@@ -6,12 +6,12 @@ import math
 from torch import nn
 
 from slidefusion.adapters import adapter_for
-from slidefusion.offload.activations import CHECKPOINTS
 from slidefusion.offload.config import DTYPES
-from slidefusion.offload.engine import OffloadEngine
-from slidefusion.offload.planner import Workload, activation_parts, auto_resident_blocks, engine_plan, require_fit
+from slidefusion.offload.engine.engine import OffloadEngine
+from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
+from slidefusion.offload.plan.planner import Workload, activation_parts, auto_resident_blocks, engine_plan, require_fit
 from slidefusion.offload.policy import OffloadPolicy
-from slidefusion.offload.shapes import ModelShape, shape_of_config
+from slidefusion.offload.tiling.activations import CHECKPOINTS
 
 
 def offload_policy(config) -> OffloadPolicy:

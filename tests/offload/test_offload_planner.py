@@ -5,7 +5,7 @@ import pytest
 from slidefusion.cli import main
 from slidefusion.errors import UserError
 from slidefusion.models import preset
-from slidefusion.offload.planner import Workload, parse_bytes, plan_training, tokens_for
+from slidefusion.offload.plan.planner import Workload, parse_bytes, plan_training, tokens_for
 
 H200 = {"gpu_memory": 141e9, "host_memory": 1.5e12, "pcie_bytes_s": 55e9, "tflops": 990}
 
@@ -75,7 +75,7 @@ TINY_WAN = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=
                                            (None, {"cross_attn_norm": False, "out_channels": None}),
                                            (None, {"image_dim": 24, "added_kv_proj_dim": 24, "pos_embed_seq_len": 6})])
 def test_the_wan_parameter_formula_counts_what_diffusers_builds(name, variant):
-    from slidefusion.offload.shapes import WAN_PRESETS, wan_params
+    from slidefusion.offload.plan.model_shape import WAN_PRESETS, wan_params
 
     cfg = {**(WAN_PRESETS[name] if name else TINY_WAN), **variant}
     assert wan_params(cfg) == _wan_counts(cfg)
@@ -112,7 +112,7 @@ def test_resident_blocks_take_the_spare_device_memory(capsys):
 def test_plan_reads_a_diffusers_transformer_folder(tmp_path, capsys):
     from diffusers import WanTransformer3DModel
 
-    from slidefusion.offload.shapes import wan_params
+    from slidefusion.offload.plan.model_shape import wan_params
 
     pipeline = tmp_path / "pipe"
     WanTransformer3DModel(**TINY_WAN).save_config(str(pipeline / "transformer"))

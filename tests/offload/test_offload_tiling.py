@@ -15,7 +15,7 @@ from slidefusion.models import build_model, preset
 from slidefusion.models.dit import FrameAttention, TimeAttention
 from slidefusion.models.layers import DiTBlock
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.tile_runner import TiledBlock, tile_blocks, untile_blocks
+from slidefusion.offload.tiling.tile_runner import TiledBlock, tile_blocks, untile_blocks
 from slidefusion.optim import OptimConfig
 
 C, GRID = 16, (7, 3, 4)  # 7 frames: no tile size below it but 1 and 7 divides it

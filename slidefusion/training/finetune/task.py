@@ -31,10 +31,10 @@ from torch import nn
 
 from slidefusion import memory
 from slidefusion.errors import UserError, check
-from slidefusion.offload.shapes import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
-from slidefusion.offload.spill import check_spill_dir
-from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload import OffloadEngine
+from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
+from slidefusion.offload.tiling.spill import check_spill_dir
+from slidefusion.offload.tiling.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib

@@ -2,8 +2,8 @@
 
 import torch
 
-from slidefusion.offload.adam import adamw_parallel_
-from slidefusion.offload.lean import LeanBuffers, lean_adamw_, seeds
+from slidefusion.offload.optim.adam import adamw_parallel_
+from slidefusion.offload.optim.lean import LeanBuffers, lean_adamw_, seeds
 
 
 def update_group(group, grad: torch.Tensor, step: int, lr: float, scale: float, policy) -> None:

@@ -33,9 +33,9 @@ from functools import partial
 import torch
 
 from slidefusion.errors import UserError
-from slidefusion.offload.hooks import KeptCheckpoints
-from slidefusion.offload.spill import KEY, SpillFile, aligned
-from slidefusion.offload.transfer import DONE, Handle, Worker
+from slidefusion.offload.engine.hooks import KeptCheckpoints
+from slidefusion.offload.engine.transfer import DONE, Handle, Worker
+from slidefusion.offload.tiling.spill import KEY, SpillFile, aligned
 
 
 class Gauge:

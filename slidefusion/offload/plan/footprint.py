@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from slidefusion.errors import UserError
-from slidefusion.offload.formats import trainable_bytes_per_param
-from slidefusion.offload.layout import split_groups
-from slidefusion.offload.plan import Plan, available_host_memory, device_capacity, parse_bytes
+from slidefusion.offload.engine.layout import split_groups
+from slidefusion.offload.optim.formats import trainable_bytes_per_param
+from slidefusion.offload.plan.plan import Plan, available_host_memory, device_capacity, parse_bytes
 
 @dataclass(frozen=True)
 class StateChoice:

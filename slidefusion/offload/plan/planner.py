@@ -27,7 +27,7 @@ import math
 import torch
 
 from slidefusion.errors import UserError
-from slidefusion.offload.activations import (  # noqa: F401  (re-exported)
+from slidefusion.offload.tiling.activations import (  # noqa: F401  (re-exported)
     ATTENTIONS,
     CHECKPOINTS,
     WORKING_VALUES_PER_TOKEN,
@@ -38,16 +38,16 @@ from slidefusion.offload.activations import (  # noqa: F401  (re-exported)
     tiling_flops,
     place_checkpoints,
 )
-from slidefusion.offload.formats import update_bytes_per_param
-from slidefusion.offload.footprint import (  # noqa: F401  (re-exported: the planner's public names)
+from slidefusion.offload.optim.formats import update_bytes_per_param
+from slidefusion.offload.plan.footprint import (  # noqa: F401  (re-exported: the planner's public names)
     StateChoice,
     auto_resident_blocks,
     engine_footprint,
     engine_plan,
     require_fit,
 )
-from slidefusion.offload.plan import Plan, available_host_memory, device_capacity, human, parse_bytes  # noqa: F401
-from slidefusion.offload.shapes import ModelShape, model_shape, shape_of_config  # noqa: F401
+from slidefusion.offload.plan.model_shape import ModelShape, model_shape, shape_of_config  # noqa: F401
+from slidefusion.offload.plan.plan import Plan, available_host_memory, device_capacity, human, parse_bytes  # noqa: F401
 
 HOST_BYTES_S = 20e9  # host memory bandwidth the optimizer threads reach (a stated assumption; --host-bandwidth)
 

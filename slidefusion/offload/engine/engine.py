@@ -21,19 +21,19 @@ from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from slidefusion.errors import UserError, check
-from slidefusion.offload.device import DeviceWeights, GradientShipper
-from slidefusion.offload.checkpoints import make_checkpoints
-from slidefusion.offload.hooks import block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
-from slidefusion.offload.host_state import HostState
-from slidefusion.offload.layout import REST
-from slidefusion.offload.loading import load_named_tensors, move_buffers
-from slidefusion.offload.optimizer import update_group
-from slidefusion.offload.pinning import HostAllocator
+from slidefusion.offload.engine.device import DeviceWeights, GradientShipper
+from slidefusion.offload.engine.hooks import block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
+from slidefusion.offload.engine.host_state import HostState
+from slidefusion.offload.engine.layout import REST
+from slidefusion.offload.engine.loading import load_named_tensors, move_buffers
+from slidefusion.offload.engine.pinning import HostAllocator
+from slidefusion.offload.engine.stats import EngineStats
+from slidefusion.offload.engine.transfer import InlineWorker, Worker, make_copier
+from slidefusion.offload.optim.strategies import make_strategy
+from slidefusion.offload.optim.update import update_group
 from slidefusion.offload.policy import OffloadPolicy
-from slidefusion.offload.stats import EngineStats
-from slidefusion.offload.strategies import make_strategy
-from slidefusion.offload.tile_runner import make_runner
-from slidefusion.offload.transfer import InlineWorker, Worker, make_copier
+from slidefusion.offload.tiling.activation_store import make_checkpoints
+from slidefusion.offload.tiling.tile_runner import make_runner
 
 
 class OffloadEngine:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 
 from slidefusion.errors import UserError
-from slidefusion.offload.layout import REST
-from slidefusion.offload.streamer import BlockStreamer
-from slidefusion.offload.transfer import DONE, Handle
+from slidefusion.offload.engine.layout import REST
+from slidefusion.offload.engine.streamer import BlockStreamer
+from slidefusion.offload.engine.transfer import DONE, Handle
 
 
 class DeviceWeights:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from slidefusion.offload.transfer import DONE, Handle
+from slidefusion.offload.engine.transfer import DONE, Handle
 
 
 class BlockStreamer:

@@ -14,7 +14,7 @@ Add the compute copy (2 B in bf16) unless it is the master. Frozen parameters ho
 
 import torch
 
-from slidefusion.offload.layout import Layout
+from slidefusion.offload.engine.layout import Layout
 
 QBLOCK = 2048  # values per int8 quantization block (as in 8-bit Adam)
 # `allocate(numel, dtype, dma)` below returns an empty 1-D host tensor (see `pinning.HostAllocator`);

@@ -31,8 +31,8 @@ from functools import cache
 
 import torch
 
-from slidefusion.offload import kernels
-from slidefusion.offload.transfer import serial_torch_here
+from slidefusion.offload.engine.transfer import serial_torch_here
+from slidefusion.offload.optim import kernels
 from slidefusion.optim import OptimConfig
 
 CHUNK = 1 << 18  # elements per call of torch's kernel: smaller ones pay per-call overhead

@@ -13,9 +13,9 @@ from functools import partial
 
 import torch
 
-from slidefusion.offload import kernels
-from slidefusion.offload.adam import run_ranges
-from slidefusion.offload.formats import QBLOCK
+from slidefusion.offload.optim import kernels
+from slidefusion.offload.optim.adam import run_ranges
+from slidefusion.offload.optim.formats import QBLOCK
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MASK32 = 0xFFFFFFFF

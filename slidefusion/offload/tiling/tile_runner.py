@@ -20,9 +20,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from slidefusion.adapters import ADAPTERS, adapter_for
 from slidefusion.errors import UserError, check
-from slidefusion.offload.hooks import WholeBlock
-from slidefusion.offload.tiled import Site, Sums, forward_tiles, grad_tiles, stand_in, tiles_for
-from slidefusion.offload.token_tiles import TokenBlocks, token_tiling_refusal
+from slidefusion.offload.engine.hooks import WholeBlock
+from slidefusion.offload.tiling.tiled import Site, Sums, forward_tiles, grad_tiles, stand_in, tiles_for
+from slidefusion.offload.tiling.token_tiles import TokenBlocks, token_tiling_refusal
 
 
 def tiled_attention(block: nn.Module) -> nn.Module | None:

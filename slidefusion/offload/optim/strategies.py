@@ -16,9 +16,9 @@ handles a refresh upload of the group's new weights must wait for. `grad` is the
 staging buffer, or (`policy.holds_gradients`: no staging) the list of autograd's gradients.
 """
 
-from slidefusion.offload.adam import clip_coefficient, parameter_norms
-from slidefusion.offload.layout import REST
-from slidefusion.offload.transfer import DONE, Handle, ThreadHandle
+from slidefusion.offload.engine.layout import REST
+from slidefusion.offload.engine.transfer import DONE, Handle, ThreadHandle
+from slidefusion.offload.optim.adam import clip_coefficient, parameter_norms
 
 
 class ImmediateUpdate:

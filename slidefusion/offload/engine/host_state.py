@@ -13,8 +13,8 @@ directly and is filled by `load_weights`, so a checkpoint never exists twice in 
 import torch
 
 from slidefusion.errors import UserError
-from slidefusion.offload.formats import MasterWeights, Moments
-from slidefusion.offload.layout import REST, GroupSpec, layout_of, split_groups
+from slidefusion.offload.engine.layout import REST, GroupSpec, layout_of, split_groups
+from slidefusion.offload.optim.formats import MasterWeights, Moments
 
 
 class GroupState:

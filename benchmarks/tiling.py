@@ -122,7 +122,7 @@ def run_child(spec: dict) -> dict:
     import torch
 
     from slidefusion.offload import OffloadEngine, OffloadPolicy
-    from slidefusion.offload.training import engine_blocks
+    from slidefusion.offload import engine_blocks
     from slidefusion.optim import OptimConfig
 
     device = torch.device(spec["device"])

@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from slidefusion import validate
@@ -19,7 +20,7 @@ from slidefusion.data.shapes import START_MODES
 from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
-from slidefusion.offload.config import OffloadConfig
+from slidefusion.offload.policy import OffloadPolicy, config_keys
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.training.finetune.config import LoraConfig, PretrainedModelConfig
 
@@ -95,7 +96,7 @@ class TrainConfig:
     diffusion: FlowConfig = field(default_factory=FlowConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)  # `enabled` (--offload) trains with the engine
     lora: LoraConfig = field(default_factory=LoraConfig)
     text_encoder: str = "minilm"
     text_max_length: int = 32
@@ -112,7 +113,21 @@ class TrainConfig:
         return isinstance(self.model, PretrainedModelConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain data (what config.json holds and `build` reads back)."""
+        return plain(self)
+
+
+def plain(value):
+    """A config dataclass as nested dicts of plain values: its config keys only, dtypes by name."""
+    if dataclasses.is_dataclass(value):
+        return {key: plain(getattr(value, key)) for key in config_keys(type(value))}
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
 
 
 def _coerce(value, annotation, key: str):
@@ -138,6 +153,9 @@ def _coerce(value, annotation, key: str):
         if not isinstance(value, dict):
             raise UserError(f"{key}={value!r} must be a mapping")
         _check_finite_inside(value, key)
+        return value
+    if isinstance(annotation, type) and not dataclasses.is_dataclass(annotation) and annotation not in (int, float, bool, str) \
+            and isinstance(value, annotation):  # already the type (a torch.dtype of `dataclasses.asdict`)
         return value
     if annotation is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
@@ -192,7 +210,8 @@ def build(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
         raise UserError(f"{prefix or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = config_keys(cls)  # fields the program sets (the engine's device, ...) are no config keys
+    data = {k: v for k, v in data.items() if not _program_default(cls, k, v)}  # as `dataclasses.asdict` writes them
     for key in data:
         if key not in names:
             where = f" under {prefix}" if prefix else ""
@@ -210,6 +229,16 @@ def build(cls, data: dict, prefix: str = ""):
         return cls(**kwargs)
     except TypeError as error:  # a required field missing
         raise UserError(f"{prefix or 'config'}: {error}") from None
+
+
+def _program_default(cls, key: str, value) -> bool:
+    """`key` is a field the program sets (not a config key) and `value` its default, as a dict of a
+    default config holds it; any other value of such a field is refused as an unknown key."""
+    field_ = next((f for f in dataclasses.fields(cls) if f.name == key), None)
+    if field_ is None or field_.metadata.get("config_key", True):
+        return False
+    default = field_.default_factory() if field_.default_factory is not dataclasses.MISSING else field_.default
+    return value == default or (dataclasses.is_dataclass(default) and value == dataclasses.asdict(default))
 
 
 def apply_override(data: dict, override: str) -> None:

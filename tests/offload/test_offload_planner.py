@@ -5,7 +5,9 @@ import pytest
 from slidefusion.cli import main
 from slidefusion.errors import UserError
 from slidefusion.models import preset
-from slidefusion.offload.plan.planner import Workload, parse_bytes, plan_training, tokens_for
+from slidefusion.offload.plan.plan import parse_bytes
+from slidefusion.offload.plan.planner import plan_training, tokens_for
+from slidefusion.offload.tiling.activations import Workload
 
 H200 = {"gpu_memory": 141e9, "host_memory": 1.5e12, "pcie_bytes_s": 55e9, "tflops": 990}
 

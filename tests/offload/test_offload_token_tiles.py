@@ -14,7 +14,7 @@ from slidefusion.adapters import adapter_for
 from slidefusion.errors import UserError
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.offload.tiling.tile_runner import tile_blocks, untile_blocks
-from slidefusion.offload.training import engine_blocks
+from slidefusion.offload import engine_blocks
 from slidefusion.optim import OptimConfig
 from slidefusion.processors import use_slide_attention
 from slidefusion.testing.tiny import tiny_latents, tiny_model, tiny_text

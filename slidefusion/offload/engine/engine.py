@@ -9,8 +9,8 @@ The pieces, each in its own file, built here in order:
   hooks            each block's forward routed through a checkpointing autograd function
   runner           how one block computes: whole, or tile by tile (`tiled`, policy.tile)
   checkpoints      where block inputs wait for backward: kept, or host memory + disk (policy.spill_dir)
-Whether a configuration fits is the caller's question, answered by the planner
-(`planner.engine_plan` + `require_fit`) before the engine is built.
+Whether a configuration fits is the caller's question, answered before the engine is built
+(`plan.resolve.fitting_policy`, or `plan.footprint.engine_plan` + `require_fit`).
 """
 
 import time
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
+from slidefusion.adapters import adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.offload.engine.device import DeviceWeights, GradientShipper
 from slidefusion.offload.engine.hooks import block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
@@ -31,6 +32,7 @@ from slidefusion.offload.engine.stats import EngineStats
 from slidefusion.offload.engine.transfer import InlineWorker, Worker, make_copier
 from slidefusion.offload.optim.strategies import make_strategy
 from slidefusion.offload.optim.update import update_group
+from slidefusion.offload.plan.resolve import resolve
 from slidefusion.offload.policy import OffloadPolicy
 from slidefusion.offload.tiling.activation_store import make_checkpoints
 from slidefusion.offload.tiling.tile_runner import make_runner
@@ -43,8 +45,9 @@ class OffloadEngine:
 
     def __init__(self, model: nn.Module, blocks, policy: OffloadPolicy | None = None,
                  allocator: HostAllocator | None = None):
-        self.policy = policy = OffloadPolicy() if policy is None else policy
+        policy = OffloadPolicy() if policy is None else policy
         check(isinstance(policy, OffloadPolicy), f"policy={policy!r} must be an OffloadPolicy")
+        self.policy = policy = resolve(policy)  # a concrete compute dtype; auto tiles and residency are refused
         self.device, self.model = policy.torch_device, model
         self.blocks = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList)) else blocks
         self.allocator = allocator or HostAllocator.for_device(self.device, policy.pin_budget, policy.pin_chunk)
@@ -238,3 +241,8 @@ def _record(engine: OffloadEngine, seconds: float) -> None:
     s.frozen_bytes_per_param = engine.state.frozen_bytes() / max(1, engine.state.frozen_numel())
     s.staging_bytes = engine.strategy.host_bytes()
     s.pinned_bytes, s.pageable_copy_bytes = engine.allocator.pinned_bytes, engine.allocator.pageable_dma_bytes
+
+
+def engine_blocks(model: nn.Module) -> nn.ModuleList:
+    """The blocks the engine streams, in call order, whatever the model class (its groups follow them)."""
+    return nn.ModuleList(adapter_for(model).blocks(model))

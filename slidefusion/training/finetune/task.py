@@ -35,12 +35,12 @@ from slidefusion.offload import OffloadEngine
 from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
 from slidefusion.offload.tiling.spill import check_spill_dir
 from slidefusion.offload.tiling.tile_runner import check_tileable, tiling_refusal
-from slidefusion.offload.training import engine_blocks, fitting_policy
+from slidefusion.offload.engine.engine import engine_blocks
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch
+from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch, offload_policy
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
@@ -112,7 +112,7 @@ class FolderTask:
         self.policy = None
         if config.offload.enabled:  # the planner's refusal now, not after the caches; the engine takes this plan
             attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
-            self.policy = fitting_policy(meta, config, self.grid, model_shape(meta, adapter, attention))
+            self.policy = offload_policy(config, meta, self.grid, model_shape(meta, adapter, attention))
         else:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,

@@ -123,7 +123,7 @@ def cmd_demo(args) -> None:
 def cmd_export(args) -> None:
     import torch
 
-    from slidefusion.training.checkpoint import export_checkpoint
+    from slidefusion.io.checkpoint import export_checkpoint
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     if args.format == "diffusers":

@@ -41,7 +41,7 @@ from slidefusion.eval.evaluate import (
     write_json,
 )
 from slidefusion.models import preset
-from slidefusion.training.checkpoint import checkpoint_steps, load_checkpoint
+from slidefusion.io.checkpoint import checkpoint_steps, load_checkpoint
 from slidefusion.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, build
 
 # Every local attention sees the same number of keys per query (3 x 5 x 5 = 75 tokens) at the

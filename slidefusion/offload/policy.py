@@ -20,12 +20,13 @@ takes them from `run.device`, the `optim:` section and the planner), never by a 
 """
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
 from slidefusion import validate
 from slidefusion.errors import UserError, check
+from slidefusion.io.config import PROGRAM_SET
 from slidefusion.optim import OptimConfig
 
 AUTO = "auto"
@@ -36,17 +37,11 @@ MASTERS = ("fp32", "bf16")  # the weights AdamW updates, on the host
 MOMENTS = ("fp32", "bf16", "int8")  # AdamW's two moments, on the host
 ROUNDINGS = ("stochastic", "kahan")  # how a bf16 master keeps updates smaller than half its ulp
 DEVICE_DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # compute_dtype=auto: bf16 on a GPU, fp32 on a CPU
-NOT_A_CONFIG_KEY = {"config_key": False}  # field metadata: set by the program, never by a config file
 
 
 def engine_optim() -> OptimConfig:
     """The engine's defaults: no clipping (warm-up and EMA belong to the trainer, not the engine)."""
     return OptimConfig(lr=1e-4, max_grad_norm=None, warmup_steps=0, ema_decay=None)
-
-
-def config_keys(cls) -> list[str]:
-    """The fields of a config dataclass a config file may set."""
-    return [f.name for f in fields(cls) if f.metadata.get("config_key", True)]
 
 
 def _is_count(value, low: int = 1) -> bool:
@@ -105,9 +100,9 @@ class OffloadPolicy:
     pin_chunk: int = 256 << 20  # bytes page-locked per call: one call never locks a whole model
     zero_copy: bool | None = None  # compute from the host buffers in place (None: on a CPU device, which
     # has no other memory; False there simulates a device with copy threads, as the race tests do)
-    device: str | None = field(default=None, metadata=NOT_A_CONFIG_KEY)  # None: cuda (the trainer: run.device)
-    optim: OptimConfig = field(default_factory=engine_optim, metadata=NOT_A_CONFIG_KEY)  # the trainer: optim:
-    spill_reserve: int = field(default=0, metadata=NOT_A_CONFIG_KEY)  # disk bytes reserved before the first
+    device: str | None = field(default=None, metadata=PROGRAM_SET)  # None: cuda (the trainer: run.device)
+    optim: OptimConfig = field(default_factory=engine_optim, metadata=PROGRAM_SET)  # the trainer: optim:
+    spill_reserve: int = field(default=0, metadata=PROGRAM_SET)  # disk bytes reserved before the first
     # step (later steps: what the last one spilled); the planner's figure
 
     def __post_init__(self):

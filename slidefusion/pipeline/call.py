@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from slidefusion import validate
-from slidefusion.errors import UserError, check
+from slidefusion.errors import NonFiniteError, UserError, check
+from slidefusion.io.files import atomic_file
 
 OUTPUT_TYPES = ("np", "pt", "latent")
 NoiseFn = Callable[[tuple[int, ...]], Tensor]  # latent shape (B, C, T, H, W) -> initial noise
@@ -39,12 +40,26 @@ def save_latents(path: str | Path, latents: Tensor) -> Path:
     """Write final latents as safetensors under the key `latents`, atomically (temp + rename)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
-    tmp.replace(path)
-    return path
+    with atomic_file(Path(path)) as tmp:
+        save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
+    return Path(path)
+
+
+def check_finite(latents: Tensor, guidance: float, steps: int) -> None:
+    """A NaN video is never handed on as if it were one."""
+    if not torch.isfinite(latents).all():
+        raise NonFiniteError(f"sampling produced NaN or infinite latents (guidance={guidance:g}, steps={steps}); "
+                             "nothing was written; check the checkpoint's weights or lower the guidance")
+
+
+# How a path that is not one of our own checkpoints is opened: `FolderPipeline` registers its
+# openers here when `slidefusion.pipeline` is imported, so `VideoPipeline.from_pretrained` can hand
+# a diffusers folder (or a fine-tune of one) to it without the two modules importing each other.
+OPENERS: dict[str, Callable] = {}  # "folder": (path, device) -> pipeline; "fine-tune": (ckpt, config, device)
+
+
+def opener(kind: str) -> Callable:
+    return OPENERS[kind]
 
 
 def noise_from(generator, seed: int | None, batch: int, draw: Callable) -> NoiseFn:

@@ -21,14 +21,11 @@ from torch import Tensor
 
 from slidefusion import validate
 from slidefusion.errors import UserError, check
-from slidefusion.pipeline.call import DiffusersCall, NoiseFn, refuse_existing
-from slidefusion.pipeline.ours import check_finite
+from slidefusion.io.checkpoint import first_nonfinite
+from slidefusion.io.diffusers import is_pipeline_folder as is_diffusers_folder  # noqa: F401  (re-exported)
+from slidefusion.io.files import atomic_folder
+from slidefusion.pipeline.call import OPENERS, DiffusersCall, NoiseFn, check_finite, refuse_existing
 from slidefusion.processors import use_slide_attention
-
-
-def is_diffusers_folder(path: str | Path) -> bool:
-    """A diffusers pipeline folder (model_index.json), not one of our checkpoints."""
-    return (Path(path) / "model_index.json").is_file()
 
 
 @dataclass
@@ -49,9 +46,7 @@ class FolderPipeline(DiffusersCall):
         """The source folder of a fine-tune with the checkpoint's (EMA) weights in its transformer:
         every weight of a full fine-tune, or LoRA's adapters added to the base; a run with
         model.attention=slide samples with the slide attention (and offsets) it trained."""
-        from slidefusion.pretrained import PretrainedParts
-        from slidefusion.training.checkpoint import first_nonfinite
-        from slidefusion.training.finetune import lora
+        from slidefusion.pretrained import PretrainedParts, lora
 
         parts = PretrainedParts.load(config.model.pretrained)
         names = [e.name for e in parts.folder.experts()]
@@ -74,8 +69,6 @@ class FolderPipeline(DiffusersCall):
     def save_pretrained(self, path: str | Path, force: bool = False) -> Path:
         """A diffusers pipeline folder of these components, written by the family's pipeline class."""
         import diffusers
-
-        from slidefusion.training.checkpoint import atomic_folder
 
         path = refuse_existing(path, force)
         parts = self.parts
@@ -172,3 +165,6 @@ class FolderPipeline(DiffusersCall):
         latents = denoise(parts, initial, cond, uncond, steps, guidance, progress)
         check_finite(latents, guidance, steps)
         return latents
+
+
+OPENERS.update({"folder": FolderPipeline.from_pretrained, "fine-tune": FolderPipeline.from_checkpoint})

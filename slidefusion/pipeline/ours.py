@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,12 +16,13 @@ from torch import Tensor
 
 from slidefusion import memory, validate
 from slidefusion.diffusion import sample
-from slidefusion.errors import NonFiniteError, UserError
+from slidefusion.errors import UserError
+from slidefusion.io.checkpoint import first_nonfinite, load_checkpoint, write_checkpoint
+from slidefusion.io.diffusers import is_pipeline_folder
 from slidefusion.models import VideoDiT, build_model, preset
-from slidefusion.pipeline.call import DiffusersCall, NoiseFn, refuse_existing
+from slidefusion.pipeline.call import DiffusersCall, NoiseFn, check_finite, opener, refuse_existing
+from slidefusion.run_config import SamplingConfig
 from slidefusion.text import TextEncoder, build_text_encoder
-from slidefusion.training.checkpoint import atomic_folder, contiguous_state, first_nonfinite, load_checkpoint
-from slidefusion.training.config import TrainConfig, build
 from slidefusion.vae import Autoencoder, build_autoencoder
 
 DEFAULT_PROMPT = "a red circle moving right quickly on a black background"
@@ -51,29 +51,20 @@ def bundled_checkpoint() -> Path:
     return Path(str(resources.files("slidefusion") / "assets" / "shapes-small"))
 
 
-def checkpoint_config(ckpt) -> TrainConfig:
-    try:
-        return build(TrainConfig, ckpt.config)
-    except UserError as error:
-        raise UserError(f"checkpoint {ckpt.path}: config.json: {error}") from None
-
-
 @dataclass
 class VideoPipeline(DiffusersCall):
     model: VideoDiT
     text_encoder: TextEncoder
     autoencoder: Autoencoder
-    config: TrainConfig
+    config: SamplingConfig  # (a TrainConfig is one too)
     device: torch.device
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu"):
         """A diffusers pipeline folder (a `FolderPipeline`), or one of ours: a checkpoint, an export
         or a run folder (its latest); None is the bundled model."""
-        from slidefusion.pipeline.folder import FolderPipeline, is_diffusers_folder
-
-        if path is not None and is_diffusers_folder(path):
-            return FolderPipeline.from_pretrained(path, device=device)
+        if path is not None and is_pipeline_folder(path):
+            return opener("folder")(path, device=device)
         return cls.from_checkpoint(path, device=device)
 
     @classmethod
@@ -81,11 +72,9 @@ class VideoPipeline(DiffusersCall):
         """Load a checkpoint folder (a run folder means its latest); None means the bundled model. A
         checkpoint of a diffusers fine-tune gives a `FolderPipeline` with the fine-tuned weights."""
         ckpt = load_checkpoint(path or bundled_checkpoint())
-        config = checkpoint_config(ckpt)
+        config = SamplingConfig.of_checkpoint(ckpt)
         if config.pretrained:
-            from slidefusion.pipeline.folder import FolderPipeline
-
-            return FolderPipeline.from_checkpoint(ckpt, config, device=device)
+            return opener("fine-tune")(ckpt, config, device=device)
         device = validate.device(device, "device")
         memory.check_fits({"weights": memory.parameter_count(config.model) * memory.FP32}, device,
                           f"the model of {ckpt.path}", "use a machine with more memory")
@@ -97,7 +86,7 @@ class VideoPipeline(DiffusersCall):
     def from_preset(cls, name: str, seed: int = 0, device: str = "cpu") -> VideoPipeline:
         """An untrained model with every weight random (zero-initialised layers included), so its
         output depends on every layer: for tests and benchmarks that need no checkpoint."""
-        config = TrainConfig(model=preset(name))
+        config = SamplingConfig(model=preset(name))
         device = validate.device(device, "device")
         memory.check_fits({"weights": memory.parameter_count(config.model) * memory.FP32}, device,
                           f"model preset {name}", "choose a smaller --model")
@@ -109,19 +98,13 @@ class VideoPipeline(DiffusersCall):
         return cls.assemble(model, config, device)
 
     @classmethod
-    def assemble(cls, model: VideoDiT, config: TrainConfig, device: torch.device) -> VideoPipeline:
+    def assemble(cls, model: VideoDiT, config: SamplingConfig, device: torch.device) -> VideoPipeline:
         encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         return cls(model.eval(), encoder, build_autoencoder(config.autoencoder).to(device), config, device)
 
     def save_pretrained(self, path: str | Path, force: bool = False) -> Path:
         """Write config.json + model.safetensors (what `from_pretrained` and `generate --checkpoint` read)."""
-        path = refuse_existing(path, force)
-        with atomic_folder(path) as tmp:
-            (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-            from safetensors.torch import save_file
-
-            save_file(contiguous_state(self.model), tmp / "model.safetensors")
-        return path
+        return write_checkpoint(refuse_existing(path, force), self.config.to_dict(), self.model)
 
     def to(self, device) -> VideoPipeline:
         """Move the model and the autoencoder (the text encoder is shared and stays); returns self."""
@@ -196,9 +179,3 @@ class VideoPipeline(DiffusersCall):
         check_finite(latents, guidance, steps)
         return latents
 
-
-def check_finite(latents: Tensor, guidance: float, steps: int) -> None:
-    """A NaN video is never handed on as if it were one."""
-    if not torch.isfinite(latents).all():
-        raise NonFiniteError(f"sampling produced NaN or infinite latents (guidance={guidance:g}, steps={steps}); "
-                             "nothing was written; check the checkpoint's weights or lower the guidance")

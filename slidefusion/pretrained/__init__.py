@@ -27,7 +27,7 @@ from slidefusion.pretrained.components import load_component, load_scheduler, lo
 from slidefusion.pretrained.folder import Expert, PretrainedFolder, open_folder, weight_entries  # noqa: E402
 from slidefusion.pretrained.parts import PretrainedParts, folder_adapter, require_pipeline  # noqa: E402
 from slidefusion.pretrained.prompts import encode_prompts  # noqa: E402
-from slidefusion.pretrained.safetensors_io import TensorEntry, read_header, stream_tensors  # noqa: E402
+from slidefusion.io.safetensors_stream import TensorEntry, read_header, stream_tensors  # noqa: E402
 from slidefusion.pretrained.sampling import (  # noqa: E402
     Request,
     check_generation,

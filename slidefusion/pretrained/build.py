@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from slidefusion.errors import UserError, check
 from slidefusion.pretrained.folder import PretrainedFolder, check_supported, open_folder
-from slidefusion.pretrained.safetensors_io import stream_tensors
+from slidefusion.io.safetensors_stream import stream_tensors
 
 log = logging.getLogger(__name__)
 

@@ -226,7 +226,7 @@ def build_autoencoder(name: str) -> Autoencoder:
     check(isinstance(name, str) and name.strip() != "", f"vae={name!r} is invalid; {_VALID_VAES}")
     if name.strip().lower() == "identity":
         return IdentityAutoencoder()
+    from slidefusion.io.diffusers import model_dir
+
     path = Path(name).expanduser()
-    pipeline_folder = not (path / "config.json").exists() and (path / "vae" / "config.json").exists()
-    return DiffusersVideoAutoencoder.from_pretrained(path if path.exists() else name,
-                                                     subfolder="vae" if pipeline_folder else None)
+    return DiffusersVideoAutoencoder.from_pretrained(model_dir(path, "vae") or (path if path.exists() else name))

@@ -90,7 +90,7 @@ def test_sampling_that_produces_nan_stops_with_exit_3_and_writes_nothing(tmp_pat
 
 def test_export_replaces_an_earlier_export_only_with_force(tmp_path, capsys):
     from slidefusion.models import build_model, preset
-    from slidefusion.training.checkpoint import save_checkpoint
+    from slidefusion.io.checkpoint import save_checkpoint
 
     model = build_model(preset("dit3d-tiny"))
     source = save_checkpoint(tmp_path / "run", 3, {"a": 1}, model.state_dict(), state={"step": 3})

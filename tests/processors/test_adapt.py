@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from slidefusion.cli import main
 from slidefusion.models import build_model
 from slidefusion.training import Trainer, load_config
-from slidefusion.training.checkpoint import load_checkpoint
+from slidefusion.io.checkpoint import load_checkpoint
 
 # data 2 x 8 x 8 frames/pixels -> a latent token grid no larger than 2 x 8 x 8: [3, 9, 9] covers it
 WHOLE = "model.attention_options={kernel_size: [3, 9, 9]}"

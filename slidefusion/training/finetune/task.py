@@ -37,7 +37,7 @@ from slidefusion.offload.tiling.spill import check_spill_dir
 from slidefusion.offload.tiling.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload.engine.engine import engine_blocks
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
-from slidefusion.training.finetune import lora as lora_lib
+from slidefusion.pretrained import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
 from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch, offload_policy

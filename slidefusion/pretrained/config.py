@@ -1,4 +1,4 @@
-"""The config sections of a fine-tune of a diffusers folder: `model.pretrained=DIR` and `lora:`.
+"""The `model:` section of a run (one of our presets, or `model.pretrained=DIR`) and `lora:`.
 
     model:
       pretrained: Wan2.1-T2V-1.3B-Diffusers   # a local diffusers pipeline folder
@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 from slidefusion import validate
-from slidefusion.errors import check
+from slidefusion.errors import UserError, check
+from slidefusion.io.config import build
+from slidefusion.models.config import ModelConfig, preset
 from slidefusion.processors.config import configured_options
 
 EXPERTS = ("transformer", "transformer_2")
@@ -77,3 +80,23 @@ class LoraConfig:
     @property
     def scale_alpha(self) -> float:
         return float(self.rank if self.alpha is None else self.alpha)
+
+
+def model_section(data: dict, key: str) -> ModelConfig | PretrainedModelConfig:
+    """A `model:` section: an optional `preset` name, then any ModelConfig fields on top; or
+    `pretrained: DIR` (a diffusers folder, whose config.json defines the model)."""
+    if not isinstance(data, dict):
+        raise UserError(f"{key}={data!r} must be a section (a mapping), e.g. {key}.preset=dit3d-tiny")
+    if "pretrained" in data:
+        valid = [f.name for f in dataclasses.fields(PretrainedModelConfig)]
+        other = [k for k in data if k not in valid]
+        if other:
+            raise UserError(f"{key}.{other[0]} cannot be combined with {key}.pretrained (the folder's config.json "
+                            f"defines the model); valid keys with {key}.pretrained: {', '.join(valid)}")
+        return build(PretrainedModelConfig, data, key)
+    data = dict(data)
+    name = data.pop("preset", None)
+    if name is not None and not isinstance(name, str):
+        raise UserError(f"{key}.preset={name!r} must be a preset name, e.g. dit3d-tiny")
+    base = dataclasses.asdict(preset(name)) if name is not None else {}
+    return build(ModelConfig, {**base, **data}, key)

@@ -1,17 +1,17 @@
-"""Checkpoints: runs/NAME/checkpoint-STEP/ with config.json, model.safetensors, ema.safetensors,
-and training state (optimizer, scheduler, RNG) in state.pt.
+"""Our checkpoint layout, written and read here only: a folder with config.json (the run's config
+as plain data), model.safetensors, ema.safetensors (when the run keeps an EMA) and state.pt (what
+resuming needs: optimizer, step, RNG). A run folder holds checkpoint-STEP/ folders; an export or a
+`VideoPipeline.save_pretrained` is the same layout without EMA and state.
 
-A checkpoint is written into a hidden temporary folder and renamed into place in one step, so a
-crash never leaves a checkpoint that loads half-written; only complete folders carry the name.
+A checkpoint is written into a hidden temporary folder and renamed into place in one step
+(`io.files.atomic_folder`), so a crash never leaves a checkpoint that loads half-written; only
+complete folders carry the name.
 """
 
 import json
-import os
 import re
 import shutil
-import tempfile
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +20,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slidefusion.errors import UserError
+from slidefusion.io.files import atomic_folder
 
+CONFIG, MODEL, EMA, STATE = "config.json", "model.safetensors", "ema.safetensors", "state.pt"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-REQUIRED = ("config.json", "model.safetensors")
+REQUIRED = (CONFIG, MODEL)
 # The hidden names `atomic_folder` gives a checkpoint while it is written (mkdtemp's 8 random
 # characters) and while an old one is moved aside; only these are ever cleaned up as stale.
 TEMPORARY = re.compile(r"^\.(old-)?checkpoint-\d+-[a-z0-9_]+$")
@@ -48,7 +50,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a folder path or a run folder (then its latest checkpoint)."""
     path = Path(path)
-    if (path / "model.safetensors").is_file():
+    if (path / MODEL).is_file():
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -81,64 +83,44 @@ class Checkpoint:
         return self.ema if self.ema is not None else self.model
 
 
+def write_checkpoint(folder: Path, config: dict, model: dict | nn.Module, ema: dict | None = None,
+                     state: dict | None = None, metadata: dict[str, str] | None = None) -> Path:
+    """The one writer of the layout, atomically: config.json, model.safetensors (with `metadata`),
+    ema.safetensors and state.pt when given. An existing `folder` is replaced as a whole."""
+    with atomic_folder(Path(folder)) as tmp:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        save_file(contiguous_state(model), tmp / MODEL, metadata=metadata)
+        if ema is not None:
+            save_file(contiguous_state(ema), tmp / EMA)
+        if state is not None:
+            torch.save(state, tmp / STATE)
+    return Path(folder)
+
+
 def save_checkpoint(run_dir: Path, step: int, config: dict, model: dict, ema: dict | None = None,
                     state: dict | None = None, keep_last: int | None = None) -> Path:
     """Write checkpoint-STEP atomically into `run_dir`; prune to the newest `keep_last`."""
-    final = Path(run_dir) / f"checkpoint-{step}"
-    with atomic_folder(final) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_file(contiguous_state(model), tmp / "model.safetensors")
-        if ema is not None:
-            save_file(contiguous_state(ema), tmp / "ema.safetensors")
-        if state is not None:
-            torch.save(state, tmp / "state.pt")
+    final = write_checkpoint(Path(run_dir) / f"checkpoint-{step}", config, model, ema, state)
     if keep_last is not None:
         for old in list(checkpoint_steps(Path(run_dir)).values())[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-@contextmanager
-def atomic_folder(final: Path):
-    """Yield a hidden temporary sibling of `final`; on success it replaces `final` in one rename,
-    on any error it is deleted, so `final` is never seen half-written."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        old = None
-        if final.exists():  # replacing: move the old one aside, put the new one in, then delete the old
-            old = final.rename(final.with_name(f".old-{final.name}-{os.getpid()}"))
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    for child in folder.rglob("*"):  # subfolders too: a diffusers export holds one per component
-        if child.is_file():
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
-
-
 def load_checkpoint(path: str | Path, with_state: bool = False) -> Checkpoint:
     """Read a checkpoint folder (or a run folder's latest); UserError if it is missing or broken."""
     folder = resolve_checkpoint(path)
-    config = _read(folder, "config.json", lambda f: json.loads(f.read_text()))
+    config = _read(folder, CONFIG, lambda f: json.loads(f.read_text()))
     if not isinstance(config, dict):
         raise UserError(f"checkpoint {folder}: config.json must hold a mapping, not a {type(config).__name__}")
-    model = _read(folder, "model.safetensors", load_file)
-    ema = _read(folder, "ema.safetensors", load_file) if (folder / "ema.safetensors").is_file() else None
+    model = _read(folder, MODEL, load_file)
+    ema = _read(folder, EMA, load_file) if (folder / EMA).is_file() else None
     state = None
     if with_state:
-        if not (folder / "state.pt").is_file():
+        if not (folder / STATE).is_file():
             raise UserError(f"checkpoint {folder} has no state.pt, so it cannot be resumed; use --init-from")
         # weights_only: a state.pt is tensors, numbers and dicts; loading it never runs pickled code
-        state = _read(folder, "state.pt", lambda f: torch.load(f, weights_only=True),
+        state = _read(folder, STATE, lambda f: torch.load(f, weights_only=True),
                       reason="not a training state slidefusion wrote (damaged, or another program's file)")
         if not isinstance(state, dict):
             raise UserError(f"checkpoint {folder}: state.pt holds a {type(state).__name__}, not a training state")
@@ -156,28 +138,6 @@ def _read(folder: Path, name: str, reader, reason: str | None = None):
     except Exception as error:  # noqa: BLE001 - see the docstring
         reason = reason or (str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
         raise UserError(f"checkpoint {folder} cannot be read: {name}: {reason}") from None
-
-
-def load_matching(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Copy every weight whose name and shape match into `model`.
-
-    Returns (loaded, not_loaded); the second lists model keys left at their initial value with the
-    reason, so adapting a dense-attention checkpoint to another attention is explicit.
-    """
-    own = model.state_dict()
-    loaded, skipped = [], []
-    for name, target in own.items():
-        source = weights.get(name)
-        if source is None:
-            skipped.append(f"{name} (not in checkpoint)")
-        elif source.shape != target.shape:
-            skipped.append(f"{name} (shape {tuple(source.shape)} in checkpoint, {tuple(target.shape)} in model)")
-        else:
-            with torch.no_grad():
-                target.copy_(source)
-            loaded.append(name)
-    skipped += [f"{name} (not in model)" for name in weights if name not in own]
-    return loaded, skipped
 
 
 def check_export_destination(source: Path, destination: str | Path, force: bool = False) -> Path:
@@ -221,7 +181,4 @@ def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.
         why = (f"does not fit in {dtype} (its range is too small); use --dtype bfloat16 or float32" if finite_before
                else "holds NaN or infinity; export an earlier checkpoint")
         raise UserError(f"weight {bad} of {ckpt.path} {why}")
-    with atomic_folder(destination) as tmp:
-        (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2))
-        save_file(contiguous_state(weights), tmp / "model.safetensors", metadata={"source": str(ckpt.path)})
-    return destination
+    return write_checkpoint(destination, ckpt.config, weights, metadata={"source": str(ckpt.path)})

@@ -58,6 +58,9 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
 )}
 
 
+DEFAULT_TIMEOUT_S = 300.0  # seconds before a collective waiting on a dead or stuck rank fails
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """What a user asks for. `slices`: an int >= 1, "auto", or None for the schedule's default;
@@ -66,7 +69,7 @@ class ParallelConfig:
     schedule: str = "scalefusion"
     slices: int | str | None = None
     cfg_parallel: bool = False
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     link_delay: LinkDelay | None = None
 
     def __post_init__(self):

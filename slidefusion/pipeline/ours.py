@@ -21,6 +21,7 @@ from slidefusion.io.checkpoint import first_nonfinite, load_checkpoint, write_ch
 from slidefusion.io.diffusers import is_pipeline_folder
 from slidefusion.models import VideoDiT, build_model, preset
 from slidefusion.pipeline.call import DiffusersCall, NoiseFn, check_finite, opener, refuse_existing
+from slidefusion.pipeline.parallel import maybe_parallel
 from slidefusion.run_config import SamplingConfig
 from slidefusion.text import TextEncoder, build_text_encoder
 from slidefusion.vae import Autoencoder, build_autoencoder
@@ -132,22 +133,26 @@ class VideoPipeline(DiffusersCall):
         return dict(frames=data.frames, height=data.height, width=data.width, steps=30, guidance=4.0)
 
     @torch.no_grad()
-    def decode_batch(self, latents: Tensor) -> Tensor:
-        """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU."""
+    def decode_batch(self, latents: Tensor, parallel=None) -> Tensor:
+        """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU. Every rank
+        decodes alike under `parallel` (our autoencoders are cheap next to sampling)."""
         return self.autoencoder.decode(latents).clamp(-1, 1).cpu()
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 30, guidance: float = 4.0, seed: int = 0, negative_prompt: str = "",
-                progress: bool = True) -> Tensor:
-        """Final latents (1, C, T', H', W'); sizes in pixels default to those the model was trained on."""
+                progress: bool = True, parallel=None, tracer=None) -> Tensor:
+        """Final latents (1, C, T', H', W'); sizes in pixels default to those the model was trained on.
+        `parallel`: a `ParallelConfig` (every rank of the process group calls alike and gets the same
+        latents); `tracer` records its compute and transfers."""
         return self.latents_batch([prompt], [seed], frames=frames, height=height, width=width, steps=steps,
-                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress)
+                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress,
+                                  parallel=parallel, tracer=tracer)
 
     @torch.no_grad()
     def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
                       height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 4.0,
-                      negative_prompt: str = "", progress: bool = False) -> Tensor:
+                      negative_prompt: str = "", progress: bool = False, parallel=None, tracer=None) -> Tensor:
         """Latents (B, C, T', H', W') of several prompts sampled together. Video i starts from the
         noise of seed `seeds[i]` alone, as `latents(prompts[i], seed=seeds[i])` does, so batching
         changes only rounding."""
@@ -155,12 +160,14 @@ class VideoPipeline(DiffusersCall):
         data = self.config.data
         return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=frames or data.frames,
                                    height=height or data.height, width=width or data.width, steps=steps,
-                                   guidance=guidance, progress=progress)
+                                   guidance=guidance, progress=progress, parallel=parallel, tracer=tracer)
 
     @torch.no_grad()
     def sample_latents(self, prompts: list[str], negatives: list[str], noise: NoiseFn, *, frames: int, height: int,
-                       width: int, steps: int, guidance: float, progress: bool = False) -> Tensor:
-        """Latents (B, C, T', H', W') from `noise(shape)`; the rectified-flow Euler sampler with CFG."""
+                       width: int, steps: int, guidance: float, progress: bool = False, parallel=None,
+                       tracer=None) -> Tensor:
+        """Latents (B, C, T', H', W') from `noise(shape)`; the rectified-flow Euler sampler with CFG,
+        across the ranks under `parallel`."""
         if any(not p.strip() for p in prompts):
             raise UserError("prompt must be a non-empty text")
         validate.finite(guidance, "guidance", 0)
@@ -174,8 +181,9 @@ class VideoPipeline(DiffusersCall):
         initial = noise((len(prompts), *latent))
         cond = self.text_encoder.encode(list(prompts))
         uncond = self.text_encoder.encode(list(negatives))
-        latents = sample(self.model, tuple(initial.shape), cond, uncond, steps=steps, guidance=guidance,
-                         device=self.device, progress=progress, noise=initial)
+        with maybe_parallel([self.model], parallel, tuple(initial.shape), guidance, tracer):
+            latents = sample(self.model, tuple(initial.shape), cond, uncond, steps=steps, guidance=guidance,
+                             device=self.device, progress=progress, noise=initial)
         check_finite(latents, guidance, steps)
         return latents
 

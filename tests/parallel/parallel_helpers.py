@@ -145,7 +145,7 @@ def scheduler_parts(model):
     from diffusers import DDIMScheduler
 
     from slidefusion.adapters import adapter_for
-    from slidefusion.parallel.pretrained import PretrainedParts
+    from slidefusion.pretrained import PretrainedParts
     from slidefusion.testing.tiny import wan_scheduler
 
     adapter = adapter_for(model)
@@ -158,7 +158,7 @@ def scheduler_parts(model):
 def sample_any(model, shape, steps=2):
     """Our sampler for our models; the family's scheduler loop (`denoise`, CFG batch 2) for diffusers'."""
     if not hasattr(model, "embed"):
-        from slidefusion.parallel.pretrained import denoise
+        from slidefusion.pretrained import denoise
         from slidefusion.testing.tiny import tiny_text
 
         parts = scheduler_parts(model)

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from slidefusion.errors import UserError
 from slidefusion.parallel import ParallelConfig
-from slidefusion.parallel.pretrained import PretrainedParts, Request, decode_video, generate_pretrained, sample_latents
+from slidefusion.parallel import decode_video
+from slidefusion.pipeline import generate_pretrained
+from slidefusion.pretrained import PretrainedParts, Request, sample_latents
 
 REQUEST = dict(frames=5, height=48, width=80, steps=2, guidance=4.0, seed=3)
 

@@ -1,15 +1,13 @@
-"""`slidefusion evaluate` and `slidefusion experiment attention-ablation`."""
+"""`slidefusion evaluate`: score generated videos (or dataset clips) against their prompts (`slidefusion.eval`)."""
 
-import argparse
 import time
-from pathlib import Path
 
-from slidefusion import cli_args as types
-from slidefusion.cli_args import positive_int
+from slidefusion.cli import args as types
+from slidefusion.cli.args import positive_int
 from slidefusion.data.shapes import COLORS
 
 
-def cmd_evaluate(args) -> None:
+def run(args) -> None:
     from slidefusion.errors import UserError
     from slidefusion.validate import SEED_MAX
     from slidefusion.eval.evaluate import (
@@ -51,15 +49,7 @@ def cmd_evaluate(args) -> None:
     print(f"{summary['videos']} videos in {time.perf_counter() - start:.1f} s")
 
 
-def cmd_experiment(args) -> None:
-    from slidefusion.eval.ablation import budget_named, run_ablation
-
-    results = run_ablation(budget_named(args.budget), args.out, variants=args.variants)
-    print(Path(args.out, "results.md").read_text())
-    print(f"done in {results['seconds_this_call'] / 60:.1f} min (this call)")
-
-
-def add_evaluate_parser(sub) -> None:
+def add_parser(sub) -> None:
     evaluate = sub.add_parser("evaluate", help="score generated videos (or dataset clips) against their prompts",
                               description="Text alignment and subject consistency from the moving-shapes detector, "
                                           "plus temporal flickering, motion smoothness and warping error.")
@@ -81,22 +71,4 @@ def add_evaluate_parser(sub) -> None:
     evaluate.add_argument("--batch-size", type=positive_int, default=8, help="videos sampled together (default 8)")
     evaluate.add_argument("--device", type=types.device, default="cpu")
     evaluate.add_argument("--quiet", action="store_true")
-    evaluate.set_defaults(func=cmd_evaluate)
-
-
-def add_experiment_parser(sub) -> None:
-    from slidefusion.eval.ablation import BUDGETS, VARIANTS
-
-    experiment = sub.add_parser("experiment", help="reproducible experiments (attention-ablation)")
-    kinds = experiment.add_subparsers(dest="experiment", required=True)
-    ablation = kinds.add_parser("attention-ablation", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                help="dense vs Swin window vs neighbourhood vs slide, adapted to long clips",
-                                description="Adapt the dense short-clip model to long clips with each attention, "
-                                            "evaluate at both lengths, and write results.md, results.json and "
-                                            "losses.png. Rerunning the same command resumes.")
-    ablation.add_argument("--budget", choices=list(BUDGETS), default="full",
-                          help="full: 32 frames, 240 steps, about 110 min on 2 cores; motion: 16 frames, 960 steps, "
-                               "144 prompts, about 3 h; quick: a smoke run of every stage (under a minute)")
-    ablation.add_argument("--out", type=types.output_folder, default="experiments/attention-ablation", help="output folder")
-    ablation.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="a subset (default: all)")
-    ablation.set_defaults(func=cmd_experiment)
+    evaluate.set_defaults(func=run)

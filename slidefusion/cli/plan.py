@@ -1,11 +1,13 @@
-"""`slidefusion plan`: the memory planner on the command line (registered by slidefusion.cli)."""
+"""`slidefusion plan`: the memory planner on the command line. Its policy flags set the fields of the
+same `OffloadPolicy` a config's `offload:` section does (`--resident-blocks auto` is
+`offload.resident_blocks=auto`), checked by the policy itself."""
 
 import argparse
 import dataclasses
 
 import yaml
 
-from slidefusion import cli_args as types
+from slidefusion.cli import args as types
 from slidefusion.errors import UserError
 from slidefusion.offload.policy import MASTERS, MOMENTS, ROUNDINGS, OffloadPolicy
 
@@ -26,7 +28,7 @@ PLAN_DEFAULTS = {"tile": "auto"}  # the planner sizes a tile when whole blocks d
 DEFAULT_PCIE, DEFAULT_TFLOPS = "55GB/s", 990.0  # an H200 on PCIe 5 x16
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="memory plan of offloaded training: does it fit, how fast")
     plan.add_argument("--model", required=True, metavar="PRESET|DIR", type=types.text,
                       help="a preset (wan2.1-1.3b, wan2.1-14b, dit3d-105b, ...) or a diffusers transformer folder")
@@ -53,8 +55,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=types.positive_int, default=1)
     plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
                       help="autoencoder stride t,h,w (default 4,8,8)")
-    plan.set_defaults(func=cmd_plan)
-    return plan
+    plan.set_defaults(func=run)
 
 
 def _add_activation_flags(plan: argparse.ArgumentParser) -> None:
@@ -86,7 +87,7 @@ def _policy(args) -> OffloadPolicy:
     return OffloadPolicy(**{key: getattr(args, key) for key in POLICY_FLAGS})
 
 
-def cmd_plan(args) -> None:
+def run(args) -> None:
     from slidefusion.offload.plan.model_shape import model_shape
     from slidefusion.offload.plan.plan import human
     from slidefusion.offload.plan.planner import Machine, grid_for, largest_frames, plan_policy, report
@@ -117,16 +118,3 @@ def cmd_plan(args) -> None:
         frames = largest_frames(shape, work, policy, machine, (args.frames, args.height, args.width), stride)
         print(f"  largest clip that fits at {args.width}x{args.height}: "
               + (f"{frames} frames" if frames else "none (even one latent frame does not fit)"))
-
-
-def add_offload_options(train: argparse.ArgumentParser) -> None:
-    """`slidefusion train --offload [--device D]`: shorthands for config overrides."""
-    train.add_argument("--offload", action="store_true",
-                       help="train with the offload engine: weights and AdamW state in host memory (offload.enabled=true)")
-    train.add_argument("--device", type=types.device, help="training device, e.g. cuda or cpu (run.device=...)")
-
-
-def offload_overrides(args) -> list[str]:
-    """The config overrides the flags stand for; explicit key=value overrides come first, flags win."""
-    overrides = ["offload.enabled=true"] if getattr(args, "offload", False) else []
-    return overrides + ([f"run.device={args.device}"] if getattr(args, "device", None) else [])

@@ -1,4 +1,4 @@
-"""Argument parsing shared by every subcommand: one parser class and the argparse value types.
+"""Argument parsing shared by every command: one parser class, the argparse value types, shared flags.
 
 `ArgumentParser.error` prints exactly one line, `slidefusion <command>: error: ... (see --help)`,
 and exits with code 2; the value types below judge a flag with the same checks the typed configs
@@ -154,3 +154,21 @@ def _model_preset(name: str) -> str:
 
 
 model_preset = arg_type("preset", _model_preset)
+
+
+def add_sampling_options(parser: ArgumentParser) -> None:
+    """The sampling flags `generate` and `demo` share: sizes, steps, guidance, seed, device."""
+    parser.add_argument("--frames", type=positive_int, help="frames (default: the training clip length; "
+                        "required with --pretrained, e.g. 33 for Wan: 1 + 4k)")
+    parser.add_argument("--height", type=positive_int, help="height in pixels (default: the training size; "
+                        "required with --pretrained)")
+    parser.add_argument("--width", type=positive_int, help="width in pixels (default: the training size; "
+                        "required with --pretrained)")
+    parser.add_argument("--steps", type=integer(1, 10_000), default=30,
+                        help="sampling steps (default 30): Euler for our models, the folder's own scheduler "
+                        "for a diffusers folder or a fine-tune of one")
+    parser.add_argument("--guidance", type=guidance, default=4.0,
+                        help="classifier-free guidance scale, 0..100 (default 4; 1 = no guidance)")
+    parser.add_argument("--seed", type=seed, default=0, help="0..2**64-1 (default 0)")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")

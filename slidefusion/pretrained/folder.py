@@ -10,7 +10,7 @@ one-line UserError naming what is wrong.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slidefusion.adapters import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class
@@ -47,6 +47,7 @@ class PretrainedFolder:
 
     root: Path
     index: Mapping | None
+    configs: dict = field(default_factory=dict, compare=False, repr=False)  # transformer config.json by name, read once
 
     @property
     def is_pipeline(self) -> bool:
@@ -95,9 +96,12 @@ class PretrainedFolder:
         return self.root if self.index is None else self.component_dir(name)
 
     def transformer_config(self, name: str = "transformer") -> dict:
-        path = self.transformer_dir(name) / "config.json"
-        check(path.is_file(), f"pretrained={self.root}: {path.parent.name or path.parent}/config.json is missing")
-        return read_json(path, "transformer config")
+        """A transformer's config.json (read once; a copy, so callers may change it)."""
+        if name not in self.configs:
+            path = self.transformer_dir(name) / "config.json"
+            check(path.is_file(), f"pretrained={self.root}: {path.parent.name or path.parent}/config.json is missing")
+            self.configs[name] = read_json(path, "transformer config")
+        return dict(self.configs[name])
 
     def adapter(self, name: str = "transformer") -> ModelAdapter:
         """The transformer's adapter, with the options the pipeline config sets (expand_timesteps, ...)."""
@@ -114,6 +118,10 @@ class PretrainedFolder:
             return [Expert(names[0], float("-inf"), float("inf"))]
         train = float(self.scheduler_config().get("num_train_timesteps", 1000))
         return [Expert(names[0], boundary * train, float("inf")), Expert(names[1], float("-inf"), boundary * train)]
+
+    def component_config(self, name: str) -> dict:
+        """A model component's config.json (the VAE's: its compression and latent normalisation)."""
+        return read_json(self.component_dir(name) / CONFIG, f"{name} config")
 
     def scheduler_config(self) -> dict:
         return read_json(self.component_dir("scheduler") / "scheduler_config.json", "scheduler config")

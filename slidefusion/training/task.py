@@ -69,14 +69,15 @@ class ResidentOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def offload_policy(config, model: nn.Module, grid: tuple[int, int, int], shape: ModelShape) -> OffloadPolicy:
+def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int], shape: ModelShape) -> OffloadPolicy:
     """The engine's policy: the `offload:` section with the run's device and the `optim:` section,
-    its `auto` values resolved against `model` (meta is enough) and one step of `grid` (T, H, W),
-    or the planner's one-line refusal. `shape`: the widths the activations scale with."""
+    its `auto` values resolved against `model` (meta is enough) with `blocks` (the engine's, in call
+    order) and one step of `grid` (T, H, W), or the planner's one-line refusal. `shape`: the widths
+    the activations scale with."""
     policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim)
     attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
     work = Workload(batch=config.run.batch_size, tokens=math.prod(grid), attention=attention, frames=grid[0])
-    return fitting_policy(model, engine_blocks(model), policy, shape, work)
+    return fitting_policy(model, blocks, policy, shape, work)
 
 
 def data_options(data) -> dict:
@@ -143,8 +144,9 @@ class OwnModelTask:
         self.model = build_model(config.model, "cpu" if offload else device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
         if offload:
-            policy = offload_policy(config, self.model, grid, shape_of_config(config.model))
-            self.optimizer = OffloadEngine(self.model, engine_blocks(self.model), policy)
+            blocks = engine_blocks(self.model)
+            policy = offload_policy(config, self.model, blocks, grid, shape_of_config(config.model))
+            self.optimizer = OffloadEngine(self.model, blocks, policy)
         else:
             self.optimizer = ResidentOptimizer(self.model, config.optim)
 

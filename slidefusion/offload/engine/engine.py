@@ -243,6 +243,7 @@ def _record(engine: OffloadEngine, seconds: float) -> None:
     s.pinned_bytes, s.pageable_copy_bytes = engine.allocator.pinned_bytes, engine.allocator.pageable_dma_bytes
 
 
-def engine_blocks(model: nn.Module) -> nn.ModuleList:
-    """The blocks the engine streams, in call order, whatever the model class (its groups follow them)."""
-    return nn.ModuleList(adapter_for(model).blocks(model))
+def engine_blocks(model: nn.Module, adapter=None) -> nn.ModuleList:
+    """The blocks the engine streams, in call order, whatever the model class (its groups follow them);
+    `adapter`: the model's, where the caller holds it already (default: looked up by class)."""
+    return nn.ModuleList((adapter or adapter_for(model)).blocks(model))

@@ -26,6 +26,8 @@ from slidefusion.offload.plan.model_shape import ModelShape
 from slidefusion.offload.plan.sizing import Sizing
 from slidefusion.offload.policy import AUTO, OffloadPolicy
 from slidefusion.offload.tiling.activations import Workload
+from slidefusion.offload.tiling.spill import check_spill_dir
+from slidefusion.offload.tiling.tile_runner import check_tileable
 
 
 def search_tile(fits: Callable[[int | None], bool], frames: int) -> int | None:
@@ -70,7 +72,12 @@ def resolve(policy: OffloadPolicy, sizing: Sizing | None = None) -> OffloadPolic
 
 def fitting_policy(model: nn.Module, blocks, policy: OffloadPolicy, shape: ModelShape, work: Workload) -> OffloadPolicy:
     """`policy` resolved against `model` (the meta device is enough, so a run is checked before any
-    weight or cache exists) and one step of `work`, or the planner's one-line refusal."""
+    weight or cache exists) and one step of `work`, or a one-line refusal: a tile the blocks cannot
+    run, a spill folder that cannot be written, or a plan that does not fit."""
+    if isinstance(policy.tile, int):
+        check_tileable(model, blocks, policy.tile)
+    if policy.spill_dir is not None:
+        check_spill_dir(policy.spill_dir)
     sizing = Sizing.of_model(model, blocks, shape, work, policy.torch_device)
     policy = resolve(policy, sizing)
     require_fit(sizing.plan(policy))

@@ -7,7 +7,7 @@ The pieces, each in its own file, built here in order:
   GradientShipper  weight gradients from the device to the strategy's host staging (a CPU device
                    with fp32 state: autograd's own tensors, read in place)
   hooks            each block's forward routed through a checkpointing autograd function
-  runner           how one block computes: whole, or tile by tile (`tiled`, policy.tile)
+  runner           how one block computes: whole, or tile by tile (`tiling.tile_runner`, policy.tile)
   checkpoints      where block inputs wait for backward: kept, or host memory + disk (policy.spill_dir)
 Whether a configuration fits is the caller's question, answered before the engine is built
 (`plan.resolve.fitting_policy`, or `plan.footprint.engine_plan` + `require_fit`).

@@ -1,8 +1,8 @@
 """Host-resident training state: per group of parameters, flat contiguous buffers, allocated once.
 
     compute     compute dtype  the copy that is uploaded (trainable + frozen parameters)
-    master      `formats.MasterWeights` over the trainable prefix (may be the compute copy itself)
-    moments     `formats.Moments` over the trainable prefix
+    master      `optim.formats.MasterWeights` over the trainable prefix (may be the compute copy itself)
+    moments     `optim.formats.Moments` over the trainable prefix
 
 The model's own `nn.Parameter`s are re-pointed at views of these buffers (trainable ones at the
 master, frozen ones at the compute copy), so `model.state_dict()` reads the live weights and no

@@ -77,8 +77,8 @@ def no_jitter() -> None:
 def serial_torch_here() -> None:
     """Run the calling thread's torch CPU operations on one core. The engine's background threads
     (copies, optimizer) work beside the compute thread; letting each of their small operations
-    fork torch's intra-op pool only makes them wait on cores the compute is using (measured: an
-    AdamW calling torch.sqrt per 32 K-element chunk ran 2.5x slower with 2 torch threads). torch
+    fork torch's intra-op pool only makes them wait on cores the compute is using (an AdamW calling
+    torch.sqrt per chunk slows down severalfold with 2 torch threads). torch
     keeps the thread count per thread, but setting it also changes the default of threads started
     later: restore that elsewhere."""
     keep = torch.get_num_threads()

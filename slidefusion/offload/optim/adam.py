@@ -11,14 +11,14 @@ Where the C kernel is missing, or disagrees with torch on a probe at first use (
 non-vectorized build rounds differently), torch's kernel does the bodies too. So it does for an
 update the compute thread runs itself (`in_torch_pool`: a CPU device, not overlapped): torch's
 kernel then runs on torch's own intra-op threads, already awake, where our pool would start threads
-of its own beside them (measured: 1.05-1.07x the fused resident step against 0.98-1.02x, README).
-The C pass split over those same threads through OpenMP, as the lean kernels are
-(`lean_update_ranges`), was 1-3 points slower than torch's kernel there in three A/B runs.
+of its own beside them (`benchmarks/offload.py` measures both; results in the README). The C pass
+split over those same threads through OpenMP, as the lean kernels are (`lean_update_ranges`), was
+slower than torch's kernel there in A/B runs.
 Bitwise matters for the comparison with a resident run: parameters whose true gradient is zero
 (attention key biases) train on rounding noise, and Adam's normalisation turns a 1-ulp difference
 there into a full learning-rate step. torch's default, single-tensor AdamW is not the target: it
-takes its square root from MKL, 1 ulp off on 0.6-20 % of inputs (by CPU), so matching it needs
-torch.sqrt between two passes (2.03 against 1.41 ns per parameter on one core, README). The two
+takes its square root from MKL, 1 ulp off on a share of inputs that depends on the CPU, so matching
+it needs torch.sqrt between two passes, a slower update (the README's optimizer table). The two
 torch optimizers differ only there.
 The hyper-parameters come from `OptimConfig` (betas, eps, weight_decay; the learning rate is passed
 per step, as the schedule moves it).

@@ -17,7 +17,7 @@ import torch
 from slidefusion.offload.engine.layout import Layout
 
 QBLOCK = 2048  # values per int8 quantization block (as in 8-bit Adam)
-# `allocate(numel, dtype, dma)` below returns an empty 1-D host tensor (see `pinning.HostAllocator`);
+# `allocate(numel, dtype, dma)` below returns an empty 1-D host tensor (see `engine.pinning.HostAllocator`);
 # dma=False: only the CPU reads it, so it is never page-locked.
 
 

@@ -7,10 +7,9 @@
    pointers with the constants in registers, and gcc vectorizes every one of them (one value per
    SIMD lane; -fopt-info-vec). 8-bit moments take a second pass over a cache-resident scratch,
    because a block's scale (its absmax, taken in the update loop) is known only after its update.
-   On one core they reach 18-87 % of a bandwidth floor that moves each stream alone (two machines,
-   README); what each term costs (division and square root, hash, 8-bit codec) is measured by
-   benchmarks/offload_terms.py; with all of them stubbed out the loops stay at 39-88 % of it
-   (bf16 / fp32 aside).
+   How close they come to a bandwidth floor that moves each stream alone is measured by
+   benchmarks/offload.py, what each term costs (division and square root, hash, 8-bit codec) by
+   benchmarks/offload_terms.py; the results are in the README.
 
    The arithmetic is written as separate multiplies and adds (built with -ffp-contract=off) so that
    `lean.py`'s plain-torch reference, one tensor operation per step here, is bitwise equal:
@@ -21,7 +20,7 @@
                         the bits hash (seed, element index): reproducible, any thread split. The
                         master has its own hash; m and v take the low and high halves of one
                         (each half is uniform, so each rounding stays unbiased; one hash less
-                        per value, the lowbias32 hash costing ~0.09 ns)
+                        per value)
      bf16 + Kahan       hi = round(p), lo = round(p - hi): the pair keeps ~16 bits of mantissa
      8-bit dynamic      dynamic tree quantization of x = |value| / absmax(block), as in 8-bit Adam
                         but with decades of 16x (binade-aligned, so codes come from float bits):
@@ -34,7 +33,7 @@
 #include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
-#pragma GCC target("prefer-vector-width=512")  /* measured ~20% faster here than gcc's default 256 */
+#pragma GCC target("prefer-vector-width=512")  /* faster here than gcc's default 256 (benchmarks/offload.py) */
 #endif
 
 #define QB 2048
@@ -179,8 +178,8 @@ void lean_update(const LeanArgs* a, int64_t first, int64_t last) {
     const float am = a->moments_kind == 2 ? a->m_scale[b] : 0.0f, av = a->moments_kind == 2 ? a->v_scale[b] : 0.0f;
     void *P = (char*)a->p + o * pw, *M = (char*)a->m + o * mw, *V = (char*)a->v + o * mw;
     /* bf16 / bf16 used to run a loop over 32-bit word pairs (no 16-bit shuffles, faster in cache);
-       with m and v sharing one hash that loop streamed from DRAM 15 % slower than this one
-       (benchmarks/offload.py, 16 M parameters, alternating), so every format takes `block`. */
+       with m and v sharing one hash that loop streamed from DRAM slower than this one
+       (benchmarks/offload.py, alternating), so every format takes `block`. */
     switch (key) { ALL(0) ALL(1) default: return; }
     if (a->out) store_out(a, o, k);
     if (a->moments_kind == 2) {

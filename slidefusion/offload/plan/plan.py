@@ -2,7 +2,7 @@
 
 A plan is data: byte counts per place and per kind, PCIe traffic, a predicted step time with the
 assumptions it rests on, and the reasons it does not fit. `footprint` fills in the engine's
-weights and state, `planner` the activations and time of a workload.
+weights and state, `sizing` the activations of a workload and where they go, `planner` the time.
 """
 
 from dataclasses import dataclass, field

@@ -7,13 +7,13 @@ whose flags set the policy's fields. The trainer sizes the model it will train w
 
 The accounting, per step with activation checkpointing at block boundaries:
   host    persistent state (14 B/param with fp32 master and moments; down to 4 with a bf16 master
-          and 8-bit moments, see `formats`), gradient staging (2 block buffers, or every block's
+          and 8-bit moments, see `optim.formats`), gradient staging (2 block buffers, or every block's
           gradient when clipping defers the update), and the boundary activations that do not
           fit on the device, up to the host's spare room.
   disk    the boundary activations past that (`offload.spill_dir`), written and read once.
   device  (prefetch + 1) slots for streamed blocks, the resident blocks, the rest of the weights
           and their gradients, block-gradient buffers, the boundary activations kept on the
-          device, one block's recompute working set (whole, or one tile: `activations`), and
+          device, one block's recompute working set (whole, or one tile: `tiling.activations`), and
           the attention workspace.
   PCIe    streamed blocks up twice (forward, backward recompute), resident ones once (after their
           update), gradients down once, offloaded activations down and up once.

@@ -1,6 +1,6 @@
 """Where block-boundary checkpoints wait for the backward pass: host memory, then a spill file.
 
-`SpilledCheckpoints` is a store for the engine's checkpoint seam (see `hooks.KeptCheckpoints`).
+`SpilledCheckpoints` is a store for the engine's checkpoint seam (see `engine.hooks.KeptCheckpoints`).
 Each block's inputs (the token grid above all) stay in host memory until `budget` bytes are held;
 past that the *oldest* go to disk, so the newest, which the backward pass needs first, are still in
 memory when it starts. Writes run on a writer thread behind the forward pass (at most
@@ -20,7 +20,7 @@ Tensors seen in an earlier block of the step (the conditioning and text every bl
 tensors under `min_bytes`, are kept by reference: spilling them would free nothing.
 
 On a GPU a spilled block is copied to the host when it is stored and back when it is taken
-(synchronously: about 2 % of a 105 B step at PCIe 5 speed; a copy stream would hide it). A write
+(synchronously, a small share of a large model's step over PCIe; a copy stream would hide it). A write
 that fails (a full disk) keeps the block in memory and stops the step at the next block with one
 line, before any update; the disk space is reserved before each step (`begin_step`).
 """

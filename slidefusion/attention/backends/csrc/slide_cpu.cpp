@@ -39,10 +39,11 @@
 #include <unistd.h>
 #endif
 
-// Without -march=native (the build is cached and may be shared between machines), the hot loops are
-// compiled several times, for AVX-512, AVX2+FMA and baseline x86-64, and the loader picks the best
-// the CPU has (GCC's target_clones). Everything they call is forced inline (no lambdas, which GCC
-// would compile once, for the baseline) so it is compiled for that target too.
+// The library is compiled for the CPU that builds it (-march=native; the build's cache name includes
+// the CPU, see slidefusion/core/native.py). The hot loops are also compiled for AVX-512, AVX2+FMA and
+// baseline x86-64, and the loader picks the best the CPU has (GCC's target_clones). Everything they
+// call is forced inline (no lambdas, which GCC would compile once, for the default) so it is compiled
+// for that target too.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SLIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define SLIDE_INLINE inline __attribute__((always_inline))

@@ -82,7 +82,7 @@ def _outside_blocks_seconds(model, call) -> float:
     """One forward with every block skipped: embedding, conditioning, output head (not split here)."""
     skipped = copy.deepcopy(model)
     for block in adapter_for(skipped).blocks(skipped):
-        hooks.attach(block, lambda module, x, *args, **kwargs: x)
+        hooks.attach(block, "skip", lambda module, call_next, x, *args, **kwargs: x)
     call(skipped)
     start = time.perf_counter()
     for _ in range(3):

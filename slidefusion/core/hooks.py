@@ -26,7 +26,6 @@ user can remove all its hooks from a model (`remove_hooks`) and refuse to stack 
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterator, Mapping
 
 from torch import nn
@@ -55,19 +54,16 @@ class HookRegistry:
         return self._run(start, args, kwargs)
 
     def _run(self, level: int, args: tuple, kwargs: dict):
-        if level < 0:
-            return self._own_forward()(*args, **kwargs)
+        if level < 0:  # the module's own forward (a plain call: torch.compile traces it)
+            if self.previous is not None:
+                return self.previous(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
         name = self.names[level]
         self.active.append(name)
         try:
             return self.hooks[name](self.module, _Next(self, name), *args, **kwargs)
         finally:
             self.active.pop()
-
-    def _own_forward(self) -> Callable:
-        if self.previous is not None:
-            return self.previous
-        return types.MethodType(type(self.module).forward, self.module)
 
     def below(self, name: str, args: tuple, kwargs: dict):
         """The chain below hook `name` on these arguments (what `call_next` runs)."""

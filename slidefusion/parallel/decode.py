@@ -96,14 +96,14 @@ def split_decode(vae: nn.Module, latents: Tensor, comm: Comm) -> Tensor:
     lo, hi = max(0, start - reach), min(size, start + count + reach)
     prefix_end = vae.get_submodule(split.prefix_end)
 
-    def crop(module, *args, **kwargs):  # the mid-block's output, whole frame -> this tile and its halo
-        return hooks.stock_forward(module, *args, **kwargs).narrow(axis, lo, hi - lo)
+    def crop(module, call_next, *args, **kwargs):  # the mid-block's output, whole frame -> this tile and its halo
+        return call_next(*args, **kwargs).narrow(axis, lo, hi - lo)
 
-    hooks.attach(prefix_end, crop)
+    hooks.attach(prefix_end, "crop", crop)
     try:
         tile = vae.decode(latents, return_dict=False)[0]
     finally:
-        hooks.detach(prefix_end)
+        hooks.detach(prefix_end, "crop")
     ratio = tile.shape[axis] // (hi - lo)  # output pixels per latent pixel
     mine = tile.narrow(axis, (start - lo) * ratio, count * ratio)
     sizes = [n * ratio for n in Split(size, comm.size).sizes]

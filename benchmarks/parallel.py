@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from slidefusion.adapters import TextConditioning, adapter_for  # noqa: E402
+from slidefusion.families import TextConditioning, adapter_for  # noqa: E402
 from slidefusion.parallel import LinkDelay, ParallelConfig, Tracer, hooks, parallelize, spawn  # noqa: E402
 from slidefusion.parallel.auto import measure_costs  # noqa: E402
 from slidefusion.parallel.comm import Comm  # noqa: E402

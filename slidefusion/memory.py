@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core import grids
+from slidefusion.core.errors import UserError
 from slidefusion.models import ModelConfig, build_model
 from slidefusion.offload.planner import (
     WORKING_VALUES_PER_TOKEN,
@@ -32,8 +33,8 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def token_grid(config: ModelConfig, latent: tuple[int, int, int, int]) -> tuple[int, int, int]:
-    """(T', H', W') tokens for a latent (C, T, H, W); the model itself checks divisibility."""
-    return tuple(max(1, n // p) for n, p in zip(latent[1:], config.patch_size))
+    """(T', H', W') tokens for a latent (C, T, H, W), by the one rule (`core.grids`)."""
+    return grids.token_grid(latent[1:], config.patch_size, config.arch)
 
 
 def attention_bytes(config: ModelConfig, batch: int, grid: tuple[int, int, int], value_bytes: int = FP32) -> int:

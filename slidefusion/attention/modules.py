@@ -202,7 +202,7 @@ class _OffsetLayers:
 
 class OffsetNet(_OffsetLayers, nn.Module):
     """The offset network of slide attention on its own, for attention modules we do not own
-    (diffusers' processors, see `slidefusion.processors`). `forward(q, kernel)` = `offsets`."""
+    (diffusers' processors, see `slidefusion.swap`). `forward(q, kernel)` = `offsets`."""
 
     def __init__(self, dim: int, heads: int, kernel_size: Sequence[int] = (3, 7, 7), offset_mode: str = "sample",
                  max_offset: float = 0.9):

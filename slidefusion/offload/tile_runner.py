@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from slidefusion.core import hooks
 
-from slidefusion.adapters import ADAPTERS, adapter_for
+from slidefusion.families import ADAPTERS, adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.offload.hooks import WholeBlock
 from slidefusion.offload.tiled import Site, Sums, forward_tiles, grad_tiles, tiles_for

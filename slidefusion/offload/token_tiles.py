@@ -30,7 +30,7 @@ import math
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from slidefusion.adapters import ModelAdapter, adapter_for
+from slidefusion.families import ModelAdapter, adapter_for
 from slidefusion.attention.redirect import StockQueryTiles
 from slidefusion.core import hooks
 from slidefusion.errors import check

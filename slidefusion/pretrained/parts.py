@@ -4,7 +4,7 @@
     parts = PretrainedParts.load(path, transformers=False)                     # text encoders + VAE only
 
 The adapter carries the options the folder implies: model_index.json's (Wan 2.2's
-expand_timesteps) and, for LTX, the rope interpolation scale its pipeline derives from the VAE.
+expand_timesteps) and those the family's pipeline derives from the folder's VAE (`folder_options`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slidefusion.adapters import ModelAdapter
-from slidefusion.errors import check
+from slidefusion.core.errors import check
+from slidefusion.families import ModelAdapter
 from slidefusion.pretrained.folder import PretrainedFolder, open_folder
-
-LTX_FRAME_RATE = 25  # LTXPipeline's default frame_rate, which its rope interpolation scale divides
 
 
 @dataclass
@@ -89,10 +87,7 @@ def require_pipeline(folder: PretrainedFolder, what: str) -> None:
 
 def folder_adapter(folder: PretrainedFolder, vae_config, name: str = "transformer") -> ModelAdapter:
     """The transformer's adapter with the options its pipeline derives from the folder."""
-    from slidefusion.vae.base import video_vae_factors
-
     adapter = folder.adapter(name)
-    if adapter.family == "ltx":
-        temporal, spatial = video_vae_factors(vae_config)
-        adapter = adapter.with_options(rope_interpolation_scale=(temporal / LTX_FRAME_RATE, spatial, spatial))
+    if adapter.folder_options is not None:
+        adapter = adapter.with_options(**adapter.folder_options(vae_config))
     return adapter

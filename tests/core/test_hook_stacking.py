@@ -65,7 +65,7 @@ def _forward(model):
 def attach(user: str, model):
     """Attach `user` to `model`; returns the function that detaches it."""
     if user == "offload":
-        from slidefusion.adapters import adapter_for
+        from slidefusion.families import adapter_for
         from slidefusion.offload import OffloadEngine, OffloadPolicy
 
         engine = OffloadEngine(model, adapter_for(model).blocks(model),
@@ -80,7 +80,7 @@ def attach(user: str, model):
         from slidefusion.parallel import ParallelConfig, parallelize
 
         return parallelize(model, ParallelConfig(schedule="dsp")).detach
-    from slidefusion.processors import use_slide_attention
+    from slidefusion.swap import use_slide_attention
 
     return use_slide_attention(model, kernel_size=(1, 3, 3), offsets=None).remove
 

@@ -176,7 +176,7 @@ def test_resident_loading_peaks_within_1_2x_the_weights(wan_100mb, dtype):
 
 _MEASURE_ENGINE = textwrap.dedent("""
     import gc, json, sys, torch
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.offload import OffloadEngine, OffloadPolicy
     from slidefusion.pretrained import build_on_meta, iter_weights, open_folder
     from slidefusion.testing.rss import reset_peak_rss, status_kib as kb

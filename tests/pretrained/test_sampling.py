@@ -26,7 +26,7 @@ def _pipeline_output(parts, folder, family, output_type, steps, guidance, seed):
     if family == "cogvideox":  # its latents are frames first
         return out.transpose(1, 2)
     if family == "ltx":  # its latents are packed tokens
-        from slidefusion.adapters.families import unpack_tokens
+        from slidefusion.families.ltx import unpack_tokens
 
         return unpack_tokens(out, (2, height // 4, width // 4), (1, 1, 1))
     return out

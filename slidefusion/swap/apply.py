@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from slidefusion.adapters import AttentionSite, ModelAdapter, adapter_for
-from slidefusion.core import hooks
 from slidefusion.attention import GridAttention, NeighborhoodAttention3d, OffsetNet, SlideAttention3d
-from slidefusion.errors import check
-from slidefusion.processors.processor import OFFSETS_ATTR, GridState, SitePlan, slide_processor_class
-from slidefusion.processors.records import SWAP_RECORDS, SlideOptions
+from slidefusion.core import hooks
+from slidefusion.core.errors import check
+from slidefusion.families import AttentionSite, ModelAdapter, SwapRecord, adapter_for, adapters_with
+from slidefusion.swap.processor import OFFSETS_ATTR, GridState, SitePlan, slide_processor_class
+from slidefusion.swap.records import SlideOptions
 
-_OURS = ("dit3d", "stdit")
 GRID_HOOK = "swap.grid"
 # The engines that read the model's modules and parameters when they are attached.
 _ENGINES = ("offload", "tiling", "parallel")
@@ -81,14 +80,17 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
     hooks.refuse_hooks(transformer, {e: "swap the attention first, then attach them" for e in _ENGINES})
     check(transformer not in _SWAPPED, f"{type(transformer).__name__} already uses slide attention; "
                                        "call restore_attention(model) before swapping it again")
+    record = adapter.swap
+    check(record is not None, f"use_slide_attention does not cover {adapter.class_name} yet; supported: "
+                              f"{', '.join(a.class_name for a in adapters_with('swap'))}")
     sites = [s for s in adapter.attention_sites(transformer)
              if s.kind != "temporal" or options.temporal == "slide"]
     handle = SlideAttentionHandle(transformer, options, [s.path for s in sites])
     try:
-        if adapter.family in _OURS:
+        if record.processors:
+            _swap_diffusers(transformer, adapter, record, sites, options, handle)
+        else:  # our own models: grid operators, replaced as modules
             _swap_ours(transformer, sites, options, handle)
-        else:
-            _swap_diffusers(transformer, adapter, sites, options, handle)
     except BaseException:
         handle.remove()
         raise
@@ -108,11 +110,8 @@ def slide_attention_handle(transformer: nn.Module) -> SlideAttentionHandle | Non
 
 
 # ---------------------------------------------------------------- diffusers models
-def _swap_diffusers(model, adapter: ModelAdapter, sites: list[AttentionSite], options: SlideOptions,
-                    handle: SlideAttentionHandle) -> None:
-    record = SWAP_RECORDS.get(adapter.family)
-    check(record is not None, f"use_slide_attention does not cover {adapter.class_name} yet; "
-                              f"supported: {', '.join(sorted(SWAP_RECORDS))}, dit3d, stdit")
+def _swap_diffusers(model, adapter: ModelAdapter, record: SwapRecord, sites: list[AttentionSite],
+                    options: SlideOptions, handle: SlideAttentionHandle) -> None:
     state = GridState()
     for site in sites:
         attn = model.get_submodule(site.path)

@@ -80,10 +80,10 @@ def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swa
     # What a fine-tune of model.pretrained=DIR with model.attention=slide does on each path.
     from itertools import chain
 
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.offload import OffloadEngine, OffloadPolicy
     from slidefusion.pretrained import build_on_meta, iter_weights, load_transformer
-    from slidefusion.processors import slide_offset_weights, use_configured_attention
+    from slidefusion.swap import slide_offset_weights, use_configured_attention
     from slidefusion.testing.tiny import save_tiny_transformer, tiny_text
 
     folder = save_tiny_transformer(tmp_path / "wan", "wan")
@@ -114,7 +114,7 @@ def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swa
 
 def test_configured_attention_names_and_options():
     from slidefusion.errors import UserError
-    from slidefusion.processors import slide_attention_handle, use_configured_attention
+    from slidefusion.swap import slide_attention_handle, use_configured_attention
     from slidefusion.testing.tiny import tiny_model
 
     model = tiny_model("wan")
@@ -188,7 +188,7 @@ def test_step_0_of_an_adapted_run_is_the_dense_model_when_the_window_covers_the_
 
 def test_a_slide_adapted_run_samples_as_trained_and_is_not_exported_as_a_stock_folder(tiny_wan_dir, tmp_path, capsys):
     from slidefusion.pipeline import VideoPipeline
-    from slidefusion.processors import slide_attention_handle
+    from slidefusion.swap import slide_attention_handle
 
     _, weights, checkpoint = _finetune(tiny_wan_dir, tmp_path, "slide", "run.steps=1", "--quiet",
                                        "model.attention_options={kernel_size: [1, 3, 3]}")

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from slidefusion.attention import memory_model
 from slidefusion.core import grids
 from slidefusion.core.errors import UserError
 from slidefusion.models import ModelConfig, build_model
@@ -24,7 +25,6 @@ from slidefusion.offload.planner import (
 )
 
 FP32 = 4
-KNOWN_ATTENTION = ("dense", "window", "slide")
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -44,8 +44,8 @@ def attention_bytes(config: ModelConfig, batch: int, grid: tuple[int, int, int],
         calls = [(batch * t, h * w, config.attention), (batch * h * w, t, "dense")]
     else:
         calls = [(batch, t * h * w, config.attention)]
-    sizes = [attention_workspace(Workload(b, n, kind), config.heads, config.hidden, value_bytes)[0]
-             for b, n, kind in calls if kind in KNOWN_ATTENTION]
+    sizes = [attention_workspace(Workload(b, n, memory_model(kind)), config.heads, config.hidden, value_bytes)[0]
+             for b, n, kind in calls if memory_model(kind) is not None]
     return max(sizes, default=0)
 
 

@@ -9,6 +9,8 @@ same way wherever it comes in. This module sits below everything but `errors`.
 import math
 import os
 import tempfile
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -143,3 +145,16 @@ def _writable(folder: Path) -> bool:
             return True
     except OSError:
         return False
+
+
+def renamed_keys(options: Mapping, renames: Mapping[str, str], where: str) -> dict:
+    """`options` (a config section) with deprecated keys renamed (old -> new), one FutureWarning line
+    per old key met; a UserError if a section gives both names."""
+    options = dict(options)
+    for old, new in renames.items():
+        if old in options:
+            if new in options:
+                raise UserError(f"{where} gives both {old} and {new}; {old} is the old name of {new}: keep {new}")
+            warnings.warn(f"{where}.{old} is deprecated; write {where}.{new} (same values)", FutureWarning, stacklevel=3)
+            options[new] = options.pop(old)
+    return options

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slidefusion.attention.registry import memory_model
 from slidefusion.core.errors import UserError
 from slidefusion.families import ModelAdapter, adapter_for_class, adapters_with
 
@@ -90,7 +91,7 @@ def shape_of_config(config, name: str = "") -> ModelShape:
 
     model = build_model(config, "meta")
     blocks = tuple(sum(p.numel() for p in block.parameters()) for block in model.blocks)
-    attention = config.attention if config.attention in ("dense", "window", "slide") else "dense"
+    attention = memory_model(config.attention) or "dense"  # an operator the planner does not model: the worst case
     return ModelShape(name or config.arch, blocks, sum(p.numel() for p in model.parameters()) - sum(blocks), config.hidden,
                       config.heads, config.mlp_ratio, tuple(config.patch_size), attention)
 

@@ -9,7 +9,7 @@ the self-attention sites. The model facts come from `records.record_for` (the mo
 
 from dataclasses import dataclass
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose
 from slidefusion.parallel.comm import LinkDelay
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.records import AttentionSite, ModelAccess, access_for, model_access, record_for
@@ -70,8 +70,7 @@ class ParallelConfig:
     link_delay: LinkDelay | None = None
 
     def __post_init__(self):
-        check(self.schedule in SCHEDULES,
-              f"parallel schedule {self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        choose(self.schedule, SCHEDULES, "schedule")
         ok = self.slices in (None, "auto") or (isinstance(self.slices, int) and not isinstance(self.slices, bool)
                                                and 1 <= self.slices <= 64)
         check(ok, f"slices={self.slices!r} must be an int in 1..64 or 'auto'")

@@ -4,7 +4,7 @@
     weights = slide_offset_weights(transformer, seed)   # initial offset-network weights, by name
 
 `use_configured_attention` maps `model.attention` = "dense" (nothing to do) | "neighborhood" (no
-offsets) | "slide" and its options (kernel_size, offset_mode, max_offset, temporal, backend - the
+offsets) | "slide" and its options (kernel_size, offsets, max_offset, temporal, backend - the
 names `model.attention=slide` takes on our own models, plus `temporal` and `backend`) onto
 `use_slide_attention`. On a meta-device model the offset networks are created on the meta device
 too; `slide_offset_weights` gives their initial values (the same for the same seed), for the
@@ -20,24 +20,23 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from slidefusion.attention import OffsetNet
-from slidefusion.core.errors import UserError, check
+from slidefusion.attention import OffsetNet, swappable
+from slidefusion.core.errors import UserError, check, unknown_value
+from slidefusion.core.validate import renamed_keys
 from slidefusion.swap.processor import OFFSETS_ATTR
 from slidefusion.swap.records import SlideOptions
 from slidefusion.swap.apply import SlideAttentionHandle, slide_attention_handle, use_slide_attention
 
-PRETRAINED_ATTENTION = ("dense", "neighborhood", "slide")
-# model.attention_options key -> use_slide_attention argument
-_OPTIONS = {"kernel_size": "kernel_size", "offset_mode": "offsets", "max_offset": "max_offset",
-            "temporal": "temporal", "backend": "backend"}
+PRETRAINED_ATTENTION = swappable()
+_OPTIONS = tuple(f.name for f in dataclasses.fields(SlideOptions))  # the use_slide_attention arguments
 
 
 def configured_options(attention: str, options: Mapping | None = None) -> SlideOptions | None:
     """`model.attention` / `model.attention_options` of a pretrained model, validated: the
     `SlideOptions` they name, or None for dense. UserError (one line, naming the key) otherwise."""
-    options = dict(options or {})
-    check(attention in PRETRAINED_ATTENTION, f"model.attention={attention!r} is not available for a pretrained "
-                                             f"model; valid: {', '.join(PRETRAINED_ATTENTION)}")
+    options = renamed_keys(options or {}, {"offset_mode": "offsets"}, "model.attention_options")
+    if attention not in PRETRAINED_ATTENTION:
+        raise unknown_value("model.attention", attention, PRETRAINED_ATTENTION, noun="not available for a pretrained model")
     if attention == "dense":
         check(not options, f"model.attention_options {sorted(options)} need model.attention=slide or neighborhood")
         return None
@@ -45,10 +44,10 @@ def configured_options(attention: str, options: Mapping | None = None) -> SlideO
     if unknown:
         raise UserError(f"model.attention_options has no {unknown[0]!r} for model.attention={attention}; "
                         f"valid: {', '.join(_OPTIONS)}")
-    kwargs = {_OPTIONS[k]: v for k, v in options.items()}
+    kwargs = dict(options)
     if attention == "neighborhood":
         check(kwargs.get("offsets") is None, "model.attention=neighborhood has no offsets; drop "
-                                             "model.attention_options.offset_mode or use model.attention=slide")
+                                             "model.attention_options.offsets or use model.attention=slide")
         kwargs["offsets"] = None
     try:
         return SlideOptions(**kwargs)
@@ -86,7 +85,7 @@ def slide_offset_weights(transformer: nn.Module, seed: int = 0) -> dict[str, tor
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 1_000_003 + index)
             fresh = OffsetNet(layers.offset_conv.in_channels, layers.offset_heads, layers.kernel_size,
-                              layers.offset_mode, layers.max_offset)
+                              layers.offsets, layers.max_offset)
         dtype = layers.offset_linear.weight.dtype
         weights.update({prefix + name: value.to(dtype) for name, value in fresh.state_dict().items()})
     return weights

@@ -209,7 +209,7 @@ CASES = [
     ("{ft} model.attention=slide 'model.attention_options={{window_size: 3}}'", "has no 'window_size'"),
     ("{ft} model.attention=slide 'model.attention_options={{max_offset: 0}}'", "max_offset=0 must be a finite number"),
     ("{ft} 'model.attention_options={{kernel_size: 3}}'", "need model.attention=slide"),
-    ("{ft} model.attention=neighborhood 'model.attention_options={{offset_mode: sample}}'", "neighborhood has no offsets"),
+    ("{ft} model.attention=neighborhood 'model.attention_options={{offsets: sample}}'", "neighborhood has no offsets"),
     ("{ft} model.pretrained={unsupported} model.attention=slide", "supported: WanTransformer3DModel"),
     # export --format diffusers
     ("export --checkpoint {ckpt} --out {cwd}/e --format diffusers", "needs a checkpoint of a diffusers fine-tune"),

@@ -65,7 +65,7 @@ def test_init_from_dense_starts_the_slide_model_where_the_dense_one_is(tmp_path,
 @pytest.mark.parametrize("offload", [[], ["--offload", "--device", "cpu"]])
 def test_cli_adapts_a_dense_checkpoint_to_slide_attention(tmp_path, dense_checkpoint, offload, capsys):
     code = main(["train", "configs/tiny.yaml", "--init-from", str(dense_checkpoint[0]), "model.attention=slide",
-                 "model.attention_options={kernel_size: [3, 5, 5], offset_mode: shift}", "data.frames=2",
+                 "model.attention_options={kernel_size: [3, 5, 5], offsets: shift}", "data.frames=2",
                  "data.height=8", "data.width=8", "run.batch_size=2", "run.steps=2", "run.save_every=2",
                  f"run.output_dir={tmp_path}", *offload, "--quiet"])
     out, err = capsys.readouterr()
@@ -87,7 +87,7 @@ def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swa
     from slidefusion.testing.tiny import save_tiny_transformer, tiny_text
 
     folder = save_tiny_transformer(tmp_path / "wan", "wan")
-    options = {"kernel_size": [1, 3, 3], "offset_mode": "shift"}
+    options = {"kernel_size": [1, 3, 3], "offsets": "shift"}
     resident = load_transformer(folder, dtype=torch.float32)
     use_configured_attention(resident, "slide", options)
     offsets = slide_offset_weights(resident, seed=3)
@@ -150,7 +150,7 @@ def _finetune(folder, out, name, *extra):
 
 @pytest.mark.parametrize("lora", [[], ["lora.rank=4"]], ids=["full", "lora"])
 def test_a_wan_folder_adapts_to_slide_attention_offloaded_as_resident(tiny_wan_dir, tmp_path, lora):
-    window = ["model.attention_options={kernel_size: [1, 3, 3], offset_mode: shift}", "run.steps=3", "--quiet", *lora]
+    window = ["model.attention_options={kernel_size: [1, 3, 3], offsets: shift}", "run.steps=3", "--quiet", *lora]
     resident = _finetune(tiny_wan_dir, tmp_path, "resident", *window)
     offloaded = _finetune(tiny_wan_dir, tmp_path, "offloaded", "--offload", *window)
     torch.testing.assert_close(offloaded[0], resident[0], rtol=1e-5, atol=0)

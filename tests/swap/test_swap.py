@@ -219,3 +219,11 @@ def test_a_window_larger_than_the_grid_is_clamped_to_it():
         exact = predict(model)
     restore_attention(model)
     assert torch.equal(clamped, exact)
+
+
+def test_the_old_offset_mode_key_configures_the_same_swap_with_one_deprecation_line():
+    from slidefusion.swap import configured_options
+
+    with pytest.warns(FutureWarning, match="model.attention_options.offset_mode is deprecated"):
+        old = configured_options("slide", {"offset_mode": "shift", "kernel_size": 3})
+    assert old == configured_options("slide", {"offsets": "shift", "kernel_size": 3})

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from slidefusion.core.errors import check
 from slidefusion.families.base import ModelAdapter
 from slidefusion.families.records import BlockList, Objective, SwapRecord, TextSpec
-from slidefusion.families.shared import ONE_T5, encode_states_only
+from slidefusion.families.shared import ONE_T5, batched_pair, encode_states_only, pipeline_for, pixels, run_pipeline
 
 def _cogvideox_rotary(model: nn.Module, grid: tuple[int, int, int], device) -> tuple[Tensor, Tensor]:
     """The 3D RoPE CogVideoXPipeline computes for a (T', H', W') grid (latent units throughout)."""
@@ -46,6 +46,19 @@ def _call_cogvideox(adapter, model, x, t, text):
     return out.transpose(1, 2)
 
 
+def _sample(parts, noise: Tensor, cond, uncond, steps: int, guidance: float, progress: bool,
+            cfg_batch: bool = False) -> Tensor | None:
+    """CogVideoXPipeline's own loop (its DPM scheduler's two-sample step included): latents frames
+    first, both prompts in one batch [uncond, cond]."""
+    pipe = pipeline_for(parts, noise)
+    if pipe is None or not batched_pair(cond, uncond):
+        return None
+    sizes = pixels(pipe, noise.shape[2:])
+    out = run_pipeline(pipe, noise.transpose(1, 2), steps, guidance if uncond is not None else 1.0, progress,
+                       **sizes, prompt_embeds=cond.states, negative_prompt_embeds=None if uncond is None else uncond.states)
+    return out.transpose(1, 2)  # (B, T, C, H, W) -> (B, C, T, H, W)
+
+
 COGVIDEOX = ModelAdapter(
     family="cogvideox", class_name="CogVideoXTransformer3DModel",
     block_lists=(BlockList("transformer_blocks", "full", "attn1", joint=True),),
@@ -54,7 +67,7 @@ COGVIDEOX = ModelAdapter(
     text=TextSpec(**ONE_T5, max_length=226, padding="encoder"),
     pipelines=("CogVideoXPipeline", "CogVideoXImageToVideoPipeline"),
     input_layout="BTCHW", text_dim="text_embed_dim", fps=8,
-    encode=encode_states_only,
+    encode=encode_states_only, sample=_sample,
     swap=SwapRecord(("CogVideoXAttnProcessor2_0",), text="first"),
 )
 

@@ -15,7 +15,7 @@ import torch
 from slidefusion.core.errors import check
 from slidefusion.families.base import ModelAdapter
 from slidefusion.families.records import BlockList, Objective, SwapRecord, TextConditioning, TextSpec
-from slidefusion.families.shared import text_device
+from slidefusion.families.shared import pipeline_for, pixels, run_pipeline, text_device
 
 def _call_hunyuan(adapter, model, x, t, text):
     check(text.pooled is not None, "text.pooled is required for HunyuanVideo: (B, pooled_projection_dim), "
@@ -44,6 +44,20 @@ def _encode(pipe, prompts: list[str], parts) -> TextConditioning:
     return TextConditioning(states.float(), mask.bool(), pooled.float())
 
 
+def _sample(parts, noise, cond: TextConditioning, uncond, steps: int, guidance: float, progress: bool,
+            cfg_batch: bool = False):
+    """HunyuanVideoPipeline's own loop: guidance embedded in the distilled model (no unconditional
+    prediction), its linspace sigmas."""
+    pipe = pipeline_for(parts, noise)
+    if pipe is None or uncond is not None or cond.pooled is None:
+        return None
+    sizes = pixels(pipe, noise.shape[2:])
+    if sizes["height"] % 16 or sizes["width"] % 16:  # the pipeline's own rule for the sizes it takes
+        return None
+    return run_pipeline(pipe, noise, steps, guidance, progress, **sizes, prompt_embeds=cond.states,
+                        pooled_prompt_embeds=cond.pooled, prompt_attention_mask=cond.bool_mask())
+
+
 HUNYUAN = ModelAdapter(
     family="hunyuanvideo", class_name="HunyuanVideoTransformer3DModel",
     block_lists=(BlockList("transformer_blocks", "full", "attn", joint=True),
@@ -54,7 +68,7 @@ HUNYUAN = ModelAdapter(
                   256, "encoder", pooled=True),
     pipelines=("HunyuanVideoPipeline",), text_dim="text_embed_dim", pooled_dim="pooled_projection_dim",
     options=MappingProxyType({"guidance_scale": 6.0}),  # HunyuanVideoPipeline's default
-    timesteps=_timesteps, encode=_encode, guidance="embedded", fps=15,
+    timesteps=_timesteps, encode=_encode, sample=_sample, guidance="embedded", fps=15,
     swap=SwapRecord(("HunyuanVideoAttnProcessor2_0",), text="last"),
 )
 

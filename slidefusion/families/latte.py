@@ -26,7 +26,15 @@ from slidefusion.families.records import (
     TextSpec,
     VaeFacts,
 )
-from slidefusion.families.shared import ONE_T5, attention_output, sdpa, text_device
+from slidefusion.families.shared import (
+    ONE_T5,
+    attention_output,
+    batched_pair,
+    pipeline_for,
+    run_pipeline,
+    sdpa,
+    text_device,
+)
 
 PROCESSOR = "AttnProcessor2_0"  # diffusers' default processor, which its self-attention runs
 
@@ -54,6 +62,22 @@ def _encode(pipe, prompts: list[str], parts) -> TextConditioning:
     tokens = pipe.tokenizer(prompts, padding="max_length", max_length=states.shape[1], truncation=True,
                             add_special_tokens=True, return_tensors="pt")
     return TextConditioning(states.float(), tokens.attention_mask.bool())
+
+
+def _sample(parts, noise: Tensor, cond: TextConditioning, uncond, steps: int, guidance: float, progress: bool,
+            cfg_batch: bool = False) -> Tensor | None:
+    """LattePipeline's own loop: both prompts in one batch [uncond, cond], cut after the longest
+    prompt as `_call_latte` cuts them (the pipeline cuts only embeddings it encodes itself)."""
+    pipe = pipeline_for(parts, noise)
+    if pipe is None or not batched_pair(cond, uncond):
+        return None
+    texts = [t for t in (cond, uncond) if t is not None]
+    keep = max(max(1, int(t.mask.sum(dim=1).max())) if t.mask is not None else t.states.shape[1] for t in texts)
+    t, h, w = noise.shape[2:]
+    return run_pipeline(pipe, noise, steps, guidance if uncond is not None else 1.0, progress, video_length=t,
+                        height=h * pipe.vae_scale_factor, width=w * pipe.vae_scale_factor,
+                        prompt_embeds=cond.states[:, :keep], mask_feature=False, negative_prompt=None,
+                        negative_prompt_embeds=None if uncond is None else uncond.states[:, :keep])
 
 
 # ---------------------------------------------------------------- head-parallel attention
@@ -93,7 +117,7 @@ LATTE = ModelAdapter(
     objective=Objective("epsilon", "index", 1000.0, "DDIMScheduler", learned_sigma=True),
     text=TextSpec(**ONE_T5, max_length=120, padding="truncate"),
     pipelines=("LattePipeline",), text_dim="caption_channels",
-    check_latents=_check_latte, fps=8, encode=_encode,
+    check_latents=_check_latte, fps=8, encode=_encode, sample=_sample,
     swap=SwapRecord((PROCESSOR,)),
     parallel=ModelAccess(
         output="proj_out", layout=ROWS,

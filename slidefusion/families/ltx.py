@@ -15,7 +15,7 @@ from torch import Tensor
 
 from slidefusion.families.base import ModelAdapter
 from slidefusion.families.records import BlockList, Objective, SwapRecord, TextSpec, TokenArg, TokenTiling
-from slidefusion.families.shared import ONE_T5, encode_with_mask
+from slidefusion.families.shared import ONE_T5, batched_pair, encode_with_mask, pipeline_for, pixels, run_pipeline
 
 PROCESSOR = "LTXVideoAttnProcessor"  # the stock processor of its self-attention
 FRAME_RATE = 25  # LTXPipeline's default frame_rate, which its rope interpolation scale divides
@@ -41,6 +41,23 @@ def _call_ltx(adapter, model, x, t, text):
     out = model(hidden_states=pack_tokens(x, patch), encoder_hidden_states=text.states, timestep=t,
                 encoder_attention_mask=mask, num_frames=grid[0], height=grid[1], width=grid[2],
                 rope_interpolation_scale=adapter.options["rope_interpolation_scale"], return_dict=False)[0]
+    return unpack_tokens(out, grid, patch)
+
+
+def _sample(parts, noise: Tensor, cond, uncond, steps: int, guidance: float, progress: bool,
+            cfg_batch: bool = False) -> Tensor | None:
+    """LTXPipeline's own loop: latents as its packed tokens, both prompts in one batch [uncond, cond]."""
+    pipe = pipeline_for(parts, noise)
+    if pipe is None or not batched_pair(cond, uncond):
+        return None
+    model, adapter = parts.transformer, parts.adapter
+    patch, grid = adapter.patch_size(model), adapter.token_grid(model, noise.shape)
+    sizes = pixels(pipe, noise.shape[2:], "vae_temporal_compression_ratio", "vae_spatial_compression_ratio")
+    texts = dict(prompt_embeds=cond.states, prompt_attention_mask=cond.bool_mask())
+    if uncond is not None:
+        texts.update(negative_prompt_embeds=uncond.states, negative_prompt_attention_mask=uncond.bool_mask())
+    out = run_pipeline(pipe, pack_tokens(noise, patch), steps, guidance if uncond is not None else 1.0, progress,
+                       **sizes, **texts)
     return unpack_tokens(out, grid, patch)
 
 
@@ -73,7 +90,7 @@ LTX = ModelAdapter(
     input_layout="packed", text_dim="caption_channels",
     # LTXPipeline: (VAE temporal compression / frame_rate, spatial, spatial) = (8 / 25, 32, 32) by default
     options=MappingProxyType({"rope_interpolation_scale": (8 / FRAME_RATE, 32, 32)}),
-    folder_options=_folder_options, timesteps=_timesteps, encode=encode_with_mask, fps=24,
+    folder_options=_folder_options, timesteps=_timesteps, encode=encode_with_mask, sample=_sample, fps=24,
     # LTXVideoTransformerBlock.forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
     # encoder_attention_mask): RoPE (B, N, D) each; temb (B, 1, 6C), or (B, N, 6C) for per-token timesteps
     token_tiling=TokenTiling(MappingProxyType({"hidden_states": TokenArg(1), "temb": TokenArg(1, sized=True),

@@ -30,7 +30,14 @@ from slidefusion.families.records import (
     TokenTiling,
     VaeFacts,
 )
-from slidefusion.families.shared import attention_output, encode_states_only, sdpa
+from slidefusion.families.shared import (
+    attention_output,
+    encode_states_only,
+    pipeline_for,
+    pixels,
+    run_pipeline,
+    sdpa,
+)
 
 PROCESSOR = "WanAttnProcessor"  # the stock processor of its self-attention
 
@@ -51,6 +58,28 @@ def _check_wan(adapter, model, shape):
     longest = int(model.config.rope_max_seq_len)
     check(max(grid) <= longest, f"latent grid {'x'.join(map(str, grid))} exceeds this Wan's rotary table: "
                                 f"frames, height and width / patch must each be <= rope_max_seq_len={longest}")
+
+
+def _states(text: TextConditioning | None):
+    """WanPipeline's prompt embeddings: zero past the prompt, no mask (what `_call_wan` passes too)."""
+    if text is None or text.mask is None:
+        return None if text is None else text.states
+    return text.states * text.mask[..., None].to(text.states.dtype)
+
+
+def _sample(parts, noise: Tensor, cond: TextConditioning, uncond, steps: int, guidance: float, progress: bool,
+            cfg_batch: bool = False) -> Tensor | None:
+    """WanPipeline's own loop (both experts of Wan 2.2 A14B, per-token timesteps of 2.2 TI2V). Not
+    under CFG-parallel (None: the generic loop): the pipeline calls the transformer once for the
+    conditional and once for the unconditional prediction, and CFG-parallel needs both in one batch."""
+    pipe = pipeline_for(parts, noise)
+    if pipe is None or (cfg_batch and uncond is not None):
+        return None
+    sizes = pixels(pipe, noise.shape[2:])
+    if sizes["height"] % 16 or sizes["width"] % 16:  # WanPipeline's own rule for the sizes it takes
+        return None
+    return run_pipeline(pipe, noise, steps, guidance if uncond is not None else 1.0, progress, **sizes,
+                        prompt_embeds=_states(cond), negative_prompt_embeds=_states(uncond))
 
 
 # ---------------------------------------------------------------- head-parallel attention
@@ -120,7 +149,7 @@ WAN = ModelAdapter(
     # tables are (1, N, 1, D) each; temb is (B, 6, C), or (B, N, 6, C) with expand_timesteps (2.2 TI2V)
     token_tiling=TokenTiling(MappingProxyType({"hidden_states": TokenArg(1), "temb": TokenArg(1, ndim=4),
                                                "rotary_emb": TokenArg(1)}), (PROCESSOR,)),
-    encode=encode_states_only,
+    encode=encode_states_only, sample=_sample,
     swap=SwapRecord((PROCESSOR,)),
     parallel=ModelAccess(
         output="proj_out", layout=ROWS,

@@ -36,7 +36,7 @@ class PretrainedParts:
     scheduler: object
     tokenizer_2: object = None
     text_encoder_2: nn.Module | None = None
-    _text_pipeline: object = field(default=None, repr=False)
+    _pipeline: object = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: str | Path | PretrainedFolder, dtype: torch.dtype = torch.float32,
@@ -62,22 +62,31 @@ class PretrainedParts:
         """The transformer that denoises `timestep` (model units)."""
         return next(model for model, low in self.experts if float(timestep) >= low)
 
-    def text_pipeline(self):
-        """The family's diffusers pipeline around the text encoders (no transformer), whose own
-        `encode_prompt` is how prompts are encoded here; built once."""
-        if self._text_pipeline is None:
+    def pipeline(self):
+        """The family's diffusers pipeline around these components, transformers included (none
+        when loaded without them): its `encode_prompt` encodes prompts and its `__call__` is the
+        family's denoising loop. Built once; its modules are these parts' own objects."""
+        if self._pipeline is None:
             import diffusers
 
             cls = getattr(diffusers, self.adapter.pipelines[0])
             accepted = inspect.signature(cls.__init__).parameters
             parts = {name: getattr(self, name, None) for name in accepted if name in (
                 "tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae", "scheduler")}
-            parts["transformer"] = None
+            models = [model for model, _ in self.experts]
+            parts["transformer"] = models[0] if models else None
+            if "transformer_2" in accepted:
+                parts["transformer_2"] = models[1] if len(models) > 1 else None
             index = self.folder.index if self.folder is not None and self.folder.index else {}
-            extras = {k: v for k, v in index.items() if k in accepted and k not in parts and not isinstance(v, list)}
-            self._text_pipeline = cls(**parts, **extras)
-            self._text_pipeline.set_progress_bar_config(disable=True)
-        return self._text_pipeline
+            extras = {k: v for k, v in {**self.adapter.options, **index}.items()
+                      if k in accepted and k not in parts and not isinstance(v, list)}
+            self._pipeline = cls(**parts, **extras)
+            self._pipeline.set_progress_bar_config(disable=True)
+        return self._pipeline
+
+    def text_pipeline(self):
+        """The pipeline whose `encode_prompt` encodes prompts (`pipeline`)."""
+        return self.pipeline()
 
 
 def require_pipeline(folder: PretrainedFolder, what: str) -> None:

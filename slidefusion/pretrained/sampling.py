@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from slidefusion.core import hooks
 from slidefusion.core.errors import check
 from slidefusion.families import ModelAdapter, TextConditioning
 from slidefusion.pretrained.prompts import encode_prompts
@@ -124,10 +125,42 @@ def _to(text: TextConditioning, dtype: torch.dtype, device) -> TextConditioning:
 @torch.no_grad()
 def denoise(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioning | None, steps: int,
             guidance: float, progress: bool = False) -> Tensor:
-    """The folder's scheduler loop: latents (B, C, T, H, W) float32 from `noise`. With classifier-free
-    guidance the conditional and unconditional predictions are one batch of 2B (what CFG-parallel
-    splits); an embedded-guidance model (HunyuanVideo) gets the scale as an input instead. The
-    transformer runs in its own dtype, the scheduler in float32, as the pipelines do."""
+    """The family's denoising loop: latents (B, C, T, H, W) float32 from `noise` (1 = no guidance).
+
+    Where the family's record has one (`ModelAdapter.sample`), the family's own diffusers pipeline
+    runs it, with `output_type="latent"`: the pipeline calls the transformer, so hooks on it (a
+    parallel plan, the slide swap) run unchanged. `denoise_loop` runs it where the pipeline cannot
+    take the call: see `_pipeline_takes` and the families' own refusals (CFG-parallel on a pipeline
+    that predicts conditional and unconditional apart, sizes its checks refuse)."""
+    sample = parts.adapter.sample
+    if sample is not None and _pipeline_takes(cond, uncond, guidance):
+        latents = sample(parts, noise, cond, uncond, steps, guidance, progress, cfg_batch=_cfg_batch(parts))
+        if latents is not None:
+            return latents
+    return denoise_loop(parts, noise, cond, uncond, steps, guidance, progress)
+
+
+def _pipeline_takes(cond: TextConditioning, uncond: TextConditioning | None, guidance: float) -> bool:
+    """The pipelines treat a guidance scale below 1 as no guidance, where this loop blends towards
+    the unconditional prediction; and their text-to-video calls take no image states."""
+    return not (uncond is not None and guidance < 1.0) and cond.image is None
+
+
+def _cfg_batch(parts) -> bool:
+    """A hook on a transformer needs the conditional and unconditional predictions in one batch
+    (CFG-parallel splits that batch between two rank groups)."""
+    return any(getattr(hooks.get_hook(model, name), "cfg_batch", False)
+               for model, _ in parts.experts for name in hooks.hook_names(model))
+
+
+@torch.no_grad()
+def denoise_loop(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioning | None, steps: int,
+                 guidance: float, progress: bool = False) -> Tensor:
+    """The generic scheduler loop, equal to the families' pipelines: latents (B, C, T, H, W) float32
+    from `noise`. With classifier-free guidance the conditional and unconditional predictions are one
+    batch of 2B (what CFG-parallel splits); an embedded-guidance model (HunyuanVideo) gets the scale as
+    an input instead. The transformer runs in its own dtype, the scheduler in float32, as the
+    pipelines do."""
     scheduler, adapter = parts.scheduler, parts.adapter
     set_schedule(adapter, scheduler, steps, tuple(noise.shape))
     model = parts.transformer

@@ -1,21 +1,30 @@
 """The families, and `adapter_for`: the record of a model, found by its class name (or a base class's).
 
-Adding a family is adding one module to `FAMILY_MODULES` (see docs/design/adding-a-family.md); every
-list below derives from the modules' `ADAPTERS`.
+A family is a module of this package with an `ADAPTERS` tuple; adding one is adding its file (see
+docs/design/adding-a-family.md). Every list below derives from the modules' `ADAPTERS`: our own
+models first, then the diffusers families by module name.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+from pathlib import Path
 
 from torch import nn
 
 from slidefusion.core.errors import UserError
 from slidefusion.families.base import ModelAdapter
 
-FAMILY_MODULES = ("ours", "wan", "cogvideox", "hunyuanvideo", "ltx", "mochi", "latte")
+_SUPPORT = ("base", "records", "registry", "shared")  # the package's own machinery, not families
 
-_ALL: tuple[ModelAdapter, ...] = tuple(adapter for name in FAMILY_MODULES
+
+def _family_modules() -> list[str]:
+    names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _SUPPORT)
+    return ["ours", *(n for n in names if n != "ours")]
+
+
+_ALL: tuple[ModelAdapter, ...] = tuple(adapter for name in _family_modules()
                                        for adapter in importlib.import_module(f"slidefusion.families.{name}").ADAPTERS)
 ADAPTERS: dict[str, ModelAdapter] = {a.class_name: a for a in _ALL}
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(a.family for a in _ALL))

@@ -114,7 +114,7 @@ def test_plan_rejects_what_cannot_run():
         ParallelConfig("dsp", 4)
     with pytest.raises(UserError, match="valid: dsp, ulysses, scalefusion, scalefusion-inter"):
         ParallelConfig("ring")
-    supported = "supported: DiT3D, STDiT, WanTransformer3DModel, LatteTransformer3DModel"
+    supported = "supported: DiT3D, STDiT, LatteTransformer3DModel, WanTransformer3DModel"
     with pytest.raises(UserError, match=f"model class Linear has no parallel plan; {supported}"):
         plan_for(torch.nn.Linear(2, 2), SCHEDULES["ulysses"])
     with pytest.raises(UserError, match=f"model class CogVideoXTransformer3DModel has no parallel plan; {supported}"):

@@ -54,7 +54,7 @@ def test_a_model_without_a_plan_names_the_supported_ones(tmp_path):
     from slidefusion.pretrained import build_on_meta
 
     with pytest.raises(UserError, match="CogVideoXTransformer3DModel has no parallel plan; supported: DiT3D, STDiT, "
-                                        "WanTransformer3DModel, LatteTransformer3DModel"):
+                                        "LatteTransformer3DModel, WanTransformer3DModel"):
         check_fit(build_on_meta(folder), ParallelConfig("ulysses"), 2)
 
 

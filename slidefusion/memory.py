@@ -16,6 +16,7 @@ from slidefusion.attention import memory_model
 from slidefusion.core import grids
 from slidefusion.core.errors import UserError
 from slidefusion.models import ModelConfig, build_model
+from slidefusion.models.dit import ARCHITECTURES
 from slidefusion.offload.planner import (
     WORKING_VALUES_PER_TOKEN,
     Workload,
@@ -34,7 +35,7 @@ def parameter_count(config: ModelConfig) -> int:
 
 def token_grid(config: ModelConfig, latent: tuple[int, int, int, int]) -> tuple[int, int, int]:
     """(T', H', W') tokens for a latent (C, T, H, W), by the one rule (`core.grids`)."""
-    return grids.token_grid(latent[1:], config.patch_size, config.arch)
+    return grids.token_grid(latent[1:], config.patch_size, ARCHITECTURES[config.arch].__name__)
 
 
 def attention_bytes(config: ModelConfig, batch: int, grid: tuple[int, int, int], value_bytes: int = FP32) -> int:

@@ -113,6 +113,8 @@ class BlockHook:
         self.engine, self.index = engine, index
 
     def __call__(self, block, call_next, *args, **kwargs):
+        # `call_next` is not called here: the engine runs the block itself on streamed weights, and
+        # those calls reach the block's own forward below this hook (the registry's re-entry rule).
         tensors, spec = tree_flatten((args, kwargs))
         if not torch.is_grad_enabled():
             out, _ = self.engine.block_forward(self.index, tensors, spec)

@@ -6,7 +6,8 @@ orders are tried, and afterwards the model's forward output, state dict and ever
 `__dict__` are bitwise what they were. Where it cannot stack, the second attach is one UserError
 line and leaves the first user's hooks working and removable.
 
-Why the refusals: streaming, resident tiling and the parallel plans each run every block through
+"tiling" is resident tiling (`tile_blocks`); the engine's own tiling (`OffloadPolicy(tile=...)`) is
+part of streaming. Why the refusals: streaming, resident tiling and the parallel plans each run every block through
 their own hook (a block streamed and tiled would be checkpointed twice; a parallel plan runs blocks
 on another rank's tokens), so a model carries one of them at a time. The swap changes what the model
 is made of, which the others read when attached: it goes on first and comes off last.
@@ -130,8 +131,8 @@ def test_pairs_stack_or_refuse_and_detach_to_the_original(one_rank, first, secon
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_an_engine_comes_off_and_on_again_around_the_swap(one_rank, engine):
-    """Both detach orders of a stacked pair: engine then swap is the legal one; after the refused
-    swap removal the engine still runs and the swap still comes off cleanly once it is gone."""
+    """An engine detached from a swapped model leaves the swap intact: it attaches again, comes off
+    again, and the swap then comes off to the original model."""
     model = _model()
     reference, snapshot = _forward(model), _snapshot(model)
     remove_swap = attach("swap", model)

@@ -131,7 +131,7 @@ CASES = [
     ("train {tiny} model.attention=slide 'model.attention_options={{kernel_size: [3, 0, 7]}}'", "kernel_size must be odd"),
     ("train {tiny} model.attention=slide 'model.attention_options={{kernel_size: [3, -7, 7]}}'", "kernel_size must be odd"),
     ("train {tiny} text_max_length=1", "max_length=1"),
-    ("train {tiny} text_encoder=''", "text_encoder="), ("train {tiny} model.preset=bogus", "preset 'bogus'"), ("train {tiny} autoencoder=bogus", "bogus"),
+    ("train {tiny} text_encoder=''", "text_encoder="), ("train {tiny} model.preset=bogus", "preset='bogus'"), ("train {tiny} autoencoder=bogus", "bogus"),
     ("train {tiny} data.height=65536 data.width=65536 run.output_dir={cwd}/r", "data.height"),
     ("train {tiny} model.preset=dit3d-105b model.in_channels=3 model.text_dim=384 run.output_dir={cwd}/r", "needs about"),
     ("train {tiny} --offload data.height=65536 data.width=65536 run.output_dir={cwd}/r", "data.height"),

@@ -286,7 +286,7 @@ def _break(kind, tiny_wan_dir, tiny_wan_sharded_dir, tmp_path):
     ("not a directory", "is not a directory; valid: a diffusers pipeline folder"),
     ("not diffusers", "is not a diffusers model folder"),
     ("no _class_name", "config.json has no _class_name"),
-    ("unsupported class", "'FluxTransformer2DModel' is not supported; supported: WanTransformer3DModel, "),
+    ("unsupported class", "'FluxTransformer2DModel' is not supported; supported: CogVideoXTransformer3DModel, "),
     ("missing shard", r"missing weights shard diffusion_pytorch_model-00002-of-\d+.safetensors"),
     ("mismatched index", "shard index mismatch in .*proj_out.weight"),
     ("truncated shard", "is not a valid safetensors file"),

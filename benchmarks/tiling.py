@@ -105,7 +105,7 @@ def _wan(spec: dict, device):
     import diffusers
     import torch
 
-    from slidefusion.adapters import TextConditioning, adapter_for
+    from slidefusion.families import TextConditioning, adapter_for
 
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(**WAN, num_layers=spec["depth"]).to(device)

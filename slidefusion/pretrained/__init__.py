@@ -33,6 +33,7 @@ from slidefusion.pretrained.sampling import (  # noqa: E402
     check_generation,
     decode,
     denoise,
+    denoise_loop,
     initial_noise,
     latent_shape,
     parts_latent_shape,
@@ -41,7 +42,7 @@ from slidefusion.pretrained.sampling import (  # noqa: E402
 )
 
 __all__ = ["Expert", "PretrainedFolder", "PretrainedParts", "Request", "TensorEntry", "assign_weights", "build_on_meta",
-           "check_generation", "decode", "denoise", "encode_prompts", "folder_adapter", "initial_noise", "iter_weights", "latent_shape",
+           "check_generation", "decode", "denoise", "denoise_loop", "encode_prompts", "folder_adapter", "initial_noise", "iter_weights", "latent_shape",
            "load_component", "load_scheduler", "load_text_encoders", "load_transformer", "load_vae", "open_folder",
            "parts_latent_shape", "read_header", "require_pipeline", "sample_latents", "set_schedule", "stream_tensors",
            "transformer_class", "weight_entries"]

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from slidefusion.errors import UserError, check
 
-_VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (e.g. a saved AutoencoderKLWan)"
+_VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (a VAE saved with save_pretrained)"
 
 
 class Autoencoder(nn.Module, ABC):
@@ -153,11 +153,15 @@ class DiffusersVideoAutoencoder(Autoencoder):
         return self.vae.decode(z).sample  # (B, 3, T, H, W)
 
 
-IMAGE_VAES = ("AutoencoderKL",)  # 2-D VAEs used frame by frame (LattePipeline)
-
-
 def is_image_vae(vae) -> bool:
-    return type(vae).__name__ in IMAGE_VAES
+    """A 2-D image VAE that a family's pipeline runs frame by frame (`VaeFacts.image`)."""
+    return is_image_vae_class(type(vae).__name__)
+
+
+def is_image_vae_class(name: str) -> bool:
+    from slidefusion.families import vae_facts
+
+    return vae_facts(name)[0]
 
 
 def _frames(x: Tensor) -> Tensor:

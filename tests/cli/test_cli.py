@@ -13,7 +13,7 @@ def _run(*args):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "configs/tiny.yaml", "optim.lrr=1"], "unknown config key optim.lrr"),
-    (["train", "configs/tiny.yaml", "data.height=15"], "height=15 must be a multiple of the patch size 2"),
+    (["train", "configs/tiny.yaml", "data.height=15"], "height=15 must be a positive multiple of DiT3D's patch size 2"),
     (["train", "missing.yaml"], "config file missing.yaml does not exist"),
     (["generate", "--checkpoint", "no/such/dir", "--prompt", "a red circle"], "checkpoint no/such/dir not found"),
 ])

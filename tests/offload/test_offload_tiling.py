@@ -25,7 +25,7 @@ ATTENTIONS = {
     "window shifted": ("window", 1, {"window_size": (2, 2, 3)}),
     "neighborhood": ("neighborhood", 0, {"kernel_size": (3, 3, 3)}),
     "slide": ("slide", 0, {"kernel_size": (3, 3, 3)}),
-    "slide shift, wide": ("slide", 0, {"kernel_size": (5, 3, 3), "offset_mode": "shift", "max_offset": 1.5}),
+    "slide shift, wide": ("slide", 0, {"kernel_size": (5, 3, 3), "offsets": "shift", "max_offset": 1.5}),
 }
 
 

@@ -144,7 +144,7 @@ def scheduler_parts(model):
     """`denoise`'s parts for a bare transformer: its adapter and the family's scheduler."""
     from diffusers import DDIMScheduler
 
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.pretrained import PretrainedParts
     from slidefusion.testing.tiny import wan_scheduler
 
@@ -171,7 +171,7 @@ def sample_any(model, shape, steps=2):
 
 def one_call(model, shape):
     """The model's prediction for a CFG batch of 2 at one timestep (adapter.predict)."""
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.testing.tiny import tiny_latents, tiny_text
 
     with torch.no_grad():

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
-from slidefusion.adapters import adapter_for
+from slidefusion.families import adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.offload.engine.device import DeviceWeights, GradientShipper
-from slidefusion.offload.engine.hooks import block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
+from slidefusion.core.hooks import refuse_hooks, within
+from slidefusion.offload.engine.hooks import REFUSED, STREAM, block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
 from slidefusion.offload.engine.host_state import HostState
 from slidefusion.offload.engine.layout import REST
 from slidefusion.offload.engine.loading import load_named_tensors, move_buffers
@@ -50,6 +51,7 @@ class OffloadEngine:
         self.policy = policy = resolve(policy)  # a concrete compute dtype; auto tiles and residency are refused
         self.device, self.model = policy.torch_device, model
         self.blocks = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList)) else blocks
+        refuse_hooks(model, REFUSED)  # before anything is moved: a refused model stays as it was
         self.allocator = allocator or HostAllocator.for_device(self.device, policy.pin_budget, policy.pin_chunk)
         self.state = HostState(model, self.blocks, policy, self.allocator.empty)
         check(policy.resident_blocks <= len(self.blocks),
@@ -62,7 +64,7 @@ class OffloadEngine:
         self.grads = GradientShipper(self.state, policy, self.d2h, self.strategy)
         self.runner = make_runner(policy, model, self.blocks)  # one block's computation: whole or tiled
         self.checkpoints = make_checkpoints(policy, self.device)  # where block inputs wait for backward
-        self.step, self.lr, self.in_block, self.out_spec = 0, policy.optim.lr, False, None
+        self.step, self.lr, self.out_spec = 0, policy.optim.lr, None
         self._pos, self._called, self._exposed_opt = 0, [], 0.0
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)  # every block output needs grad
         self.stats = EngineStats()
@@ -122,13 +124,10 @@ class OffloadEngine:
     def call_block(self, index: int, params: dict, args, kwargs, grad_outputs=None, leaves=None):
         """The runner on block `index` with `params` (local name -> tensor): its forward, or with
         `grad_outputs` its gradients (of the inputs, and of `leaves`)."""
-        self.in_block = True
-        try:
+        with within(self.blocks[index], STREAM):  # calls of the block reach its own forward
             if grad_outputs is None:
                 return self.runner.forward(self.blocks[index], params, args, kwargs)
             return self.runner.grads(self.blocks[index], params, args, kwargs, grad_outputs, leaves)
-        finally:
-            self.in_block = False
 
     def block_forward(self, index: int, tensors: list, spec):
         """Forward of block `index`: outputs and, without checkpointing, the graph kept for backward."""

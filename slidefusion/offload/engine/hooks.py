@@ -1,11 +1,13 @@
 """How a block runs under the engine: a hook on the unchanged block, an autograd function, a store.
 
-Each block's `forward` is replaced, on the instance, by `BlockHook`, which routes the call through
-`StreamedBlock`: an autograd function that checkpoints at the block boundary. Its forward runs the
-block without a graph on streamed weights; its backward re-acquires the weights (in reverse order),
-recomputes the block with a graph, ships the weight gradients and returns the input gradients.
+Each block carries the hook `STREAM` (the one registry, `slidefusion.core.hooks`), `BlockHook`, which
+routes the call through `StreamedBlock`: an autograd function that checkpoints at the block boundary.
+Its forward runs the block without a graph on streamed weights; its backward re-acquires the weights
+(in reverse order), recomputes the block with a graph, ships the weight gradients and returns the
+input gradients. The engine runs the block itself inside the hook's call (or `within` it, in
+backward), so those calls reach the block's own forward below the hook.
 
-Two seams (issue 12 fills both):
+Two seams:
   a block runner, `engine.runner`: `forward(block, params, args, kwargs)` is the whole computation
       of one block on given weights, `grads(...)` its recompute and backward. `WholeBlock` runs
       the block in one piece; `tiled.TiledBlock` runs it tile by tile.
@@ -16,6 +18,14 @@ Two seams (issue 12 fills both):
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from slidefusion.core import hooks
+
+STREAM = "offload"
+# Tiled resident blocks and the parallel plans run their own forward per block; streaming the
+# same blocks under them would run each block twice or on another rank's tokens.
+REFUSED = {"tiling": "tile_blocks checkpoints resident blocks; use OffloadPolicy(tile=...) for tiled streaming",
+           "parallel": "the parallel plans split inference over ranks; detach them before offloading"}
 
 
 class WholeBlock:
@@ -97,14 +107,14 @@ def input_and_weight_grads(graph, grad_outputs) -> tuple[list, list]:
 
 
 class BlockHook:
-    """Stands in for `block.forward` on the instance; routes calls through the engine."""
+    """The `STREAM` hook of block `index`: routes its calls through the engine."""
 
-    def __init__(self, engine, index: int, original):
-        self.engine, self.index, self.original = engine, index, original
+    def __init__(self, engine, index: int):
+        self.engine, self.index = engine, index
 
-    def __call__(self, *args, **kwargs):
-        if self.engine.in_block:  # the engine itself running the block with streamed weights
-            return self.original(*args, **kwargs)
+    def __call__(self, block, call_next, *args, **kwargs):
+        # `call_next` is not called here: the engine runs the block itself on streamed weights, and
+        # those calls reach the block's own forward below this hook (the registry's re-entry rule).
         tensors, spec = tree_flatten((args, kwargs))
         if not torch.is_grad_enabled():
             out, _ = self.engine.block_forward(self.index, tensors, spec)
@@ -136,11 +146,12 @@ class StreamedBlock(torch.autograd.Function):
 
 
 def install_hooks(engine) -> None:
+    hooks.refuse_hooks(engine.model, REFUSED)
     for index, block in enumerate(engine.blocks):
-        block.forward = BlockHook(engine, index, block.forward)
+        hooks.add_hook(block, STREAM, BlockHook(engine, index))
 
 
 def remove_hooks(engine) -> None:
     for block in engine.blocks:
-        if isinstance(block.__dict__.get("forward"), BlockHook):
-            del block.forward
+        if isinstance(hooks.get_hook(block, STREAM), BlockHook):
+            hooks.remove_hook(block, STREAM)

@@ -1,32 +1,21 @@
 """Build and load `adamw_kernels.c` and `lean_kernels.c` (plain C through ctypes, no torch headers:
 well under a second to build).
 
-The library is compiled once per source version and CPU into a cache folder
-($SLIDEFUSION_CACHE, default ~/.cache/slidefusion). Without a C compiler `load()` returns None and
-`adam.py` falls back to torch operations. ctypes releases the GIL during a call, so the optimizer
-thread runs truly beside the compute thread.
+The library is built by the one native build helper (`slidefusion.core.native`: compiled for this
+CPU, once per source version, flags and CPU, into $SLIDEFUSION_CACHE, default ~/.cache/slidefusion).
+Without a C compiler `load()` returns None and `adam.py` falls back to torch operations. ctypes
+releases the GIL during a call, so the optimizer thread runs truly beside the compute thread.
 """
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
+from slidefusion.core import native
+
 SOURCES = [Path(__file__).with_name("adamw_kernels.c"), Path(__file__).with_name("lean_kernels.c")]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 OPENMP = ["-fopenmp"]  # for lean_update_ranges alone; tried first, left out where it does not build
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return flags
 
 
 def _signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -45,33 +34,15 @@ def _signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where no C compiler is available."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or os.environ.get("SLIDEFUSION_NO_C_KERNELS"):
-        return None
     if not all(path.is_file() for path in SOURCES):  # an install without package data: torch fallbacks
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES)
-    folder = Path(os.environ.get("SLIDEFUSION_CACHE", Path.home() / ".cache" / "slidefusion"))
+    sources = [path.read_bytes() for path in SOURCES]
     for flags in ([*FLAGS, *OPENMP], FLAGS):  # without OpenMP where it does not build or load
-        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
-        lib = _built(compiler, flags, folder / f"adamw_kernels-{key}.so")
-        if lib is not None:
-            return _signatures(lib)
+        target = native.cache_folder() / f"{native.build_name('adamw_kernels', sources, flags)}.so"
+        built = native.shared_library(target, SOURCES, flags)
+        try:
+            if built is not None:
+                return _signatures(ctypes.CDLL(str(built)))
+        except OSError:  # the library does not load here: try without OpenMP, then torch fallbacks
+            continue
     return None
-
-
-def _built(compiler: str, flags: list[str], target: Path) -> ctypes.CDLL | None:
-    """The library at `target`, compiled there first if it is not yet (None where that fails)."""
-    try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: atomic
-                built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True,
-                                        text=True, check=False)
-                if result.returncode != 0:
-                    return None
-                built.replace(target)
-        return ctypes.CDLL(str(target))
-    except OSError:  # no writable cache folder, or the library does not load here: torch fallbacks
-        return None

@@ -1,17 +1,21 @@
 """What the planner knows of a model: parameters per block and the widths activations scale with.
 
-Three sources, one record (`ModelShape`): our own presets (built on the meta device and counted),
-the published Wan 2.1 transformers, and a diffusers transformer folder's `config.json` (`--model
-DIR`, a pipeline folder's `transformer/` too). Wan's parameter count is a formula over its config,
-checked against diffusers' `WanTransformer3DModel` in tests/offload/test_offload_planner.py.
+Three sources, one record (`ModelShape`), every count made on a model built on the meta device (no
+parameter formula to keep in step with a class): our own presets, the published diffusers models the
+families list (`ModelAdapter.presets`, e.g. Wan 2.1 1.3B and 14B), and a diffusers transformer
+folder's `config.json` (`--model DIR`, a pipeline folder's `transformer/` too).
 """
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from slidefusion.errors import UserError
+import torch
+from torch import nn
+
+from slidefusion.attention.registry import memory_model
+from slidefusion.core.errors import UserError
+from slidefusion.families import ModelAdapter, adapter_for_class, adapters_with
 
 
 @dataclass(frozen=True)
@@ -36,42 +40,49 @@ class ModelShape:
         return sum(self.block_params) + self.rest_params
 
 
-# The published Wan 2.1 text-to-video transformers, as diffusers configures WanTransformer3DModel;
-# both take umT5-XXL text (4096 wide, 512 tokens) and latents of a 4x temporal / 8x spatial VAE.
-WAN_COMMON = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
-                  freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", image_dim=None,
-                  added_kv_proj_dim=None, pos_embed_seq_len=None)
-WAN_PRESETS = {"wan2.1-1.3b": dict(WAN_COMMON, num_attention_heads=12, ffn_dim=8960, num_layers=30),
-               "wan2.1-14b": dict(WAN_COMMON, num_attention_heads=40, ffn_dim=13824, num_layers=40)}
-WAN_TEXT_TOKENS = 512
 STOCK_QUERY_TILE_PROJECTIONS = 9  # see ModelShape.query_tile_projections
-SUPPORTED_CLASSES = ("WanTransformer3DModel",)
+DIFFUSERS_ATTENTION = "flash"  # the stock processors' fused softmax attention: no scores are kept
 
 
-def wan_params(cfg: dict) -> tuple[int, int]:
-    """(parameters per block, parameters outside the blocks) of a WanTransformer3DModel config."""
-    d, f = cfg["num_attention_heads"] * cfg["attention_head_dim"], cfg["ffn_dim"]
-    added, image = cfg.get("added_kv_proj_dim"), cfg.get("image_dim")
-    attention = 4 * (d * d + d) + 2 * d  # q, k, v, out with biases; RMS norms of q and k
-    block = 2 * attention + (2 * d * f + f + d) + 6 * d  # self, cross, feed-forward, scale-shift table
-    block += 2 * d if cfg.get("cross_attn_norm", True) else 0
-    block += 2 * (added * d + d) + d if added else 0  # image keys/values of the I2V models
-    patch = math.prod(cfg["patch_size"])
-    out = cfg.get("out_channels") or cfg["in_channels"]
-    rest = cfg["in_channels"] * d * patch + d  # patch embedding (a Conv3d)
-    rest += (cfg["freq_dim"] * d + d) + (d * d + d) + (6 * d * d + 6 * d)  # time embedding and projection
-    rest += (cfg["text_dim"] * d + d) + (d * d + d)  # text projection
-    if image:
-        rest += 2 * image + (image * image + image) + (image * d + d) + 2 * d + (cfg.get("pos_embed_seq_len") or 0) * image
-    rest += d * out * patch + out * patch + 2 * d  # output projection and scale-shift table
-    return block, rest
+def _plannable() -> str:
+    return ", ".join(a.class_name for a in adapters_with("widths"))
 
 
-def wan_shape(cfg: dict, name: str) -> ModelShape:
-    block, rest = wan_params(cfg)
-    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    return ModelShape(name, (block,) * cfg["num_layers"], rest, d, cfg["num_attention_heads"], cfg["ffn_dim"] / d,
-                      tuple(cfg["patch_size"]), "flash", WAN_TEXT_TOKENS, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
+def meta_transformer(adapter: ModelAdapter, config: dict) -> nn.Module:
+    """The family's diffusers transformer built from `config` on the meta device (nothing allocated;
+    diffusers fills the keys the config lacks with the class's defaults), or a UserError."""
+    import diffusers
+
+    cls = getattr(diffusers, adapter.class_name)
+    try:
+        with torch.device("meta"):
+            return cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    except (TypeError, ValueError, KeyError, IndexError) as error:
+        raise UserError(f"--model: a malformed {adapter.class_name} config ({type(error).__name__}: {error})") from None
+
+
+def shape_of_model(model: nn.Module, adapter: ModelAdapter, name: str = "",
+                   attention: str = DIFFUSERS_ATTENTION) -> ModelShape:
+    """The shape of a diffusers transformer (built on meta is enough), counted block by block."""
+    if adapter.widths is None:
+        raise UserError(f"--model: the planner cannot size {adapter.class_name} (its activation widths are not "
+                        f"declared); valid: {_plannable()}")
+    from slidefusion.offload.tiling.tile_runner import tiling_refusal
+
+    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in adapter.blocks(model))
+    hidden, heads, ratio = adapter.widths(model)
+    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    return ModelShape(name or adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model),
+                      attention, adapter.text.max_length, tileable=tiling_refusal(model) is None,
+                      query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
+
+
+def published_shape(name: str) -> ModelShape | None:
+    """The shape of a published model a family lists by `name`, or None."""
+    for adapter in adapters_with("presets"):
+        if name in adapter.presets:
+            return shape_of_model(meta_transformer(adapter, dict(adapter.presets[name])), adapter, name)
+    return None
 
 
 def shape_of_config(config, name: str = "") -> ModelShape:
@@ -80,22 +91,25 @@ def shape_of_config(config, name: str = "") -> ModelShape:
 
     model = build_model(config, "meta")
     blocks = tuple(sum(p.numel() for p in block.parameters()) for block in model.blocks)
-    attention = config.attention if config.attention in ("dense", "window", "slide") else "dense"
+    attention = memory_model(config.attention) or "dense"  # an operator the planner does not model: the worst case
     return ModelShape(name or config.arch, blocks, sum(p.numel() for p in model.parameters()) - sum(blocks), config.hidden,
                       config.heads, config.mlp_ratio, tuple(config.patch_size), attention)
 
 
 def model_shape(model: str) -> ModelShape:
-    """`--model`: one of our presets, a Wan 2.1 preset, or a diffusers transformer folder."""
+    """`--model`: one of our presets, a published diffusers model a family lists, or a diffusers
+    transformer folder."""
     from slidefusion.models import PRESETS, preset
 
-    if model in WAN_PRESETS:
-        return wan_shape(WAN_PRESETS[model], model)
+    published = published_shape(model)
+    if published is not None:
+        return published
     if Path(model).is_dir():
         return _folder_shape(Path(model))
     if model not in PRESETS:
+        names = [*(n for a in adapters_with("presets") for n in a.presets), *PRESETS]
         raise UserError(f"--model={model!r} is neither a preset nor a folder; valid presets: "
-                        f"{', '.join([*WAN_PRESETS, *PRESETS])}, or a diffusers transformer folder")
+                        f"{', '.join(names)}, or a diffusers transformer folder")
     return shape_of_config(preset(model), model)
 
 
@@ -107,11 +121,9 @@ def _folder_shape(folder: Path) -> ModelShape:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise UserError(f"--model: {path} is not readable JSON ({error})") from None
-    kind = cfg.get("_class_name")
-    if kind not in SUPPORTED_CLASSES:
-        raise UserError(f"--model: {path} describes {kind!r}; the planner supports {', '.join(SUPPORTED_CLASSES)}")
-    defaults = dict(WAN_PRESETS["wan2.1-14b"], rope_max_seq_len=1024)  # diffusers' own defaults for missing keys
-    try:
-        return wan_shape({**defaults, **{k: v for k, v in cfg.items() if not k.startswith("_")}}, str(folder))
-    except (TypeError, KeyError) as error:
-        raise UserError(f"--model: {path} has a malformed WanTransformer3DModel config ({error})") from None
+    kind = cfg.get("_class_name") if isinstance(cfg, dict) else None
+    plannable = {a.class_name for a in adapters_with("widths")}
+    if kind not in plannable:
+        raise UserError(f"--model: {path} describes {kind!r}; the planner supports {_plannable()}")
+    adapter = adapter_for_class(kind)
+    return shape_of_model(meta_transformer(adapter, cfg), adapter, str(folder))

@@ -17,11 +17,12 @@ The halo is the one the operators declare (`slidefusion.attention.tiling`), for 
 import math
 from dataclasses import dataclass, replace
 
+from slidefusion.attention.registry import memory_models
 from slidefusion.attention.tiling import slide_halo, window_rule
-from slidefusion.errors import UserError
+from slidefusion.core.errors import unknown_value
 
 WORKING_VALUES_PER_TOKEN = 16  # x hidden, plus 3 x mlp_ratio: the tensors one DiT block's backward holds
-ATTENTIONS = ("dense", "flash", "window", "slide")
+ATTENTIONS = memory_models()  # the activation models below, one per kind the attention registry declares
 CHECKPOINTS = "activation checkpoints"
 
 
@@ -60,7 +61,7 @@ def attention_workspace(work: Workload, heads: int, hidden: int, compute_bytes: 
         return b * heads * n * work.window * compute_bytes, 4.0 * b * n * work.window * hidden, f"scores inside {work.window}-token windows"
     if work.attention == "slide":  # offsets (3) and weights (1) per point, values gathered on the fly
         return b * heads * n * work.points * 4 * compute_bytes, 4.0 * b * n * work.points * hidden, f"{work.points} sampled points per query and head"
-    raise UserError(f"attention={work.attention!r} is unknown; valid: {', '.join(ATTENTIONS)}")
+    raise unknown_value("attention", work.attention, ATTENTIONS)
 
 
 def activation_parts(shape, work: Workload, compute_bytes: int = 2, tile: int | None = None) -> dict[str, int]:

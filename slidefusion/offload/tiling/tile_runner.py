@@ -5,7 +5,7 @@ tile by tile in backward (a checkpoint per block), with no engine.
 Tile size: `frames` frames of the token grid per tile (rows for attention along time: the same
 number of tokens). A tile size of at least the clip's frames is clamped to the clip: the blocks then
 run whole, with one note (a config's tile size is fixed while clips vary in length, so this is not
-an error). A tile size below 1 is refused where it is configured (`OffloadPolicy`, `OffloadConfig`).
+an error). A tile size below 1 is refused where it is configured (`OffloadPolicy`).
 Tiling needs to know the halo of each block's self-attention: a model whose adapter declares neither
 grid blocks (ours) nor packed-token blocks (`TokenTiling`: Wan, see `token_tiles`), a block without
 an attention module that declares `tile_rule`, or a Wan whose self-attention was swapped (slide
@@ -18,10 +18,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from slidefusion.adapters import ADAPTERS, adapter_for
+from slidefusion.core import hooks
+
+from slidefusion.families import ADAPTERS, adapter_for
 from slidefusion.errors import UserError, check
 from slidefusion.offload.engine.hooks import WholeBlock
-from slidefusion.offload.tiling.tiled import Site, Sums, forward_tiles, grad_tiles, stand_in, tiles_for
+from slidefusion.offload.tiling.tiled import Site, Sums, forward_tiles, grad_tiles, tiles_for
 from slidefusion.offload.tiling.token_tiles import TokenBlocks, token_tiling_refusal
 
 
@@ -70,7 +72,7 @@ class TiledBlock(WholeBlock):
     (one tile covers it) runs whole. `tokens`: for packed-token blocks (Wan), what the model's
     record says of them (`token_tiles.TokenBlocks`); None: grid blocks (ours)."""
 
-    def __init__(self, frames: int, tokens: TokenBlocks | None = None):
+    def __init__(self, frames: int, tokens: TokenBlocks | None = None) -> None:
         self.frames, self.noted, self.tokens = frames, False, tokens
         self.attention: dict[int, nn.Module] = {}
 
@@ -121,7 +123,7 @@ def _within(block: nn.Module, params, work):
     block's forward, so the work stands in for it); with no params, on the block's own."""
     if params is None:
         return work()
-    with stand_in(block, lambda *args, **kwargs: work()):
+    with hooks.stand_in(block, "tiling.params", lambda *args, **kwargs: work()):
         return torch.func.functional_call(block, params, ())
 
 
@@ -130,25 +132,30 @@ def make_runner(policy, model: nn.Module, blocks) -> WholeBlock:
     if policy.tile is None:
         return WholeBlock()
     check_tileable(model, blocks, policy.tile)
-    return TiledBlock(policy.tile, _tokens(model))
+    return TiledBlock(policy.tile, _tokens(model, "offload.grid"))
 
 
-def _tokens(model: nn.Module) -> TokenBlocks | None:
-    return TokenBlocks(model) if adapter_for(model).token_tiling is not None else None
+def _tokens(model: nn.Module, hook: str) -> TokenBlocks | None:
+    return TokenBlocks(model, hook) if adapter_for(model).token_tiling is not None else None
 
 
 # -- a resident model ------------------------------------------------------------------------------
 
 
+TILE = "tiling"
+# Streaming and the parallel plans run each block through their own hook: a tiled checkpoint
+# around or inside them would run the block twice or on another rank's tokens.
+REFUSED = {"offload": "the offload engine tiles its blocks itself (OffloadPolicy(tile=...)); close it first",
+           "parallel": "the parallel plans split inference over ranks; detach them before tiling"}
+
+
 class TileHook:
-    """Stands in for a resident block's `forward`: tiled, checkpointed per block."""
+    """The `TILE` hook of a resident block: tiled, checkpointed per block."""
 
-    def __init__(self, runner: TiledBlock, block: nn.Module, original):
-        self.runner, self.block, self.original, self.active = runner, block, original, False
+    def __init__(self, runner: TiledBlock, block: nn.Module):
+        self.runner, self.block = runner, block
 
-    def __call__(self, *args, **kwargs):
-        if self.active:  # the runner itself calling the block
-            return self.original(*args, **kwargs)
+    def __call__(self, block, call_next, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.run(self.runner.forward, None, args, kwargs)
         weights = [p for p in self.block.parameters() if p.requires_grad]
@@ -156,11 +163,9 @@ class TileHook:
         return TiledCheckpoint.apply(self, spec, len(weights), *weights, *tensors)
 
     def run(self, method, *arguments):
-        self.active = True
-        try:
+        """`method(block, ...)` of the runner; its calls of the block reach the block's own forward."""
+        with hooks.within(self.block, TILE):
             return method(self.block, *arguments)
-        finally:
-            self.active = False
 
 
 class TiledCheckpoint(torch.autograd.Function):
@@ -195,20 +200,20 @@ def tile_blocks(model: nn.Module, frames: int) -> None:
     """Run every block of a resident `model` tile by tile (`frames` per tile), each a checkpoint."""
     blocks = adapter_for(model).blocks(model)
     check_tileable(model, blocks, frames, key="tile")
+    hooks.refuse_hooks(model, REFUSED)
+    check(not any(hooks.get_hook(block, TILE) for block in blocks), "tile_blocks: the model is already tiled")
+    runner = TiledBlock(frames, _tokens(model, "tiling.grid"))
     for block in blocks:
-        check(not isinstance(block.__dict__.get("forward"), TileHook), "tile_blocks: the model is already tiled")
-    runner = TiledBlock(frames, _tokens(model))
-    for block in blocks:
-        block.forward = TileHook(runner, block, block.forward)
+        hooks.add_hook(block, TILE, TileHook(runner, block))
 
 
 def untile_blocks(model: nn.Module) -> None:
     """Undo `tile_blocks`."""
     runners = set()
     for block in model.modules():
-        hook = block.__dict__.get("forward")
+        hook = hooks.get_hook(block, TILE)
         if isinstance(hook, TileHook):
             if id(hook.runner) not in runners:
                 runners.add(id(hook.runner))
                 hook.runner.close()
-            del block.forward
+            hooks.remove_hook(block, TILE)

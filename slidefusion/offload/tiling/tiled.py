@@ -22,8 +22,9 @@ frame-major order: a tile of frames is a contiguous token range, and every input
 record names as per token (the tokens, RoPE tables, per-token modulation) is cut to it along its
 own dimension; the rest is used whole. Their self-attention is dense (the global case above).
 
-The block is stopped at its attention by standing in for the attention module's `forward` on the
-instance (a forward hook cannot skip the call); the block's code never changes.
+The block is stopped at its attention by standing in for the attention module's own forward
+(`core.hooks.stand_in`: a hook of the one registry that answers without calling on); the block's
+code never changes.
 
 Backward recomputes tile by tile, each with its own small graph: weight gradients and the
 conditioning's gradients are summed over tiles (in float32 when they are lower precision), the
@@ -36,7 +37,6 @@ The result equals untiled execution within float32 rounding.
 """
 
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,24 +44,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from slidefusion.attention.tiling import TileRule
+from slidefusion.core.hooks import stand_in
 
 
 class _Reached(Exception):
     """Raised by the stand-in to stop a block at its self-attention."""
-
-
-@contextmanager
-def stand_in(module: nn.Module, forward: Callable):
-    """`module.forward = forward` on the instance for the duration (restoring what was there)."""
-    previous = module.__dict__.get("forward")
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
 
 
 @dataclass
@@ -116,7 +103,7 @@ class Site:
             seen.append(queries(args, kwargs))
             raise _Reached
 
-        with stand_in(self.attn, reached):
+        with stand_in(self.attn, "tiling.reach", reached):
             try:
                 self.run(flat)
             except _Reached:
@@ -129,7 +116,7 @@ class Site:
             y, args, kwargs = queries(args, kwargs)
             return attend(y, *args, **kwargs)
 
-        with stand_in(self.attn, answer):
+        with stand_in(self.attn, "tiling.answer", answer):
             return self.run(flat)
 
     def place(self, out, piece: torch.Tensor, start: int, dim: int = 1) -> torch.Tensor:

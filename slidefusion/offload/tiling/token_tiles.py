@@ -30,8 +30,9 @@ import math
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from slidefusion.adapters import ModelAdapter, adapter_for
+from slidefusion.families import ModelAdapter, adapter_for
 from slidefusion.attention.redirect import StockQueryTiles
+from slidefusion.core import hooks
 from slidefusion.errors import check
 
 _WHOLE = -1  # tree_map cannot return None for a leaf (None is an empty node to pytrees)
@@ -53,20 +54,22 @@ class TokenBlocks:
     self-attention (answered through `StockQueryTiles`), which call arguments are per token, and
     the token grid of the transformer call in progress. `close()` removes the grid hook."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, hook: str = "tiling.grid"):
         self.adapter = adapter = adapter_for(model)
         check(adapter.token_tiling is not None, f"{adapter.class_name} declares no token tiling")
         sites = adapter.attention_sites(model)
         self.ops = {id(block): StockQueryTiles(model.get_submodule(site.path), site.path)
                     for block, site in zip(adapter.blocks(model), sites)}
         self.grid: tuple[int, int, int] | None = None
-        self.hook = model.register_forward_pre_hook(self._see_grid, with_kwargs=True)
+        self.model, self.hook = model, hook
+        hooks.add_hook(model, hook, self._see_grid)
 
-    def _see_grid(self, module, args, kwargs) -> None:
+    def _see_grid(self, module, call_next, *args, **kwargs):
         self.grid = self.adapter.grid_from_call(module, args, kwargs)
+        return call_next(*args, **kwargs)
 
     def close(self) -> None:
-        self.hook.remove()
+        hooks.remove_hook(self.model, self.hook)
 
     def cut(self, block: nn.Module, args: tuple, kwargs: dict, flat: list) -> tuple[StockQueryTiles, list, tuple]:
         """(the block's attention ops, per flat input the dimension tiles cut or None, the grid)."""

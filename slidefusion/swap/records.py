@@ -1,8 +1,7 @@
-"""What swapping a family's self-attention for slide attention needs beyond its adapter, as data.
+"""`SlideOptions`: the user's choice of slide attention for a swap, validated when built.
 
-`SwapRecord` (one per diffusers family) names the stock processor classes whose softmax attention
-can be redirected, and where the text tokens of a joint block sit in the sequence that processor
-hands to `scaled_dot_product_attention`. `SlideOptions` is the user's choice, validated when built.
+What each family needs to be swapped (its stock processors, where a joint block's text tokens sit)
+is its `SwapRecord`, on the family's record (`slidefusion.families`).
 """
 
 from __future__ import annotations
@@ -13,33 +12,11 @@ from dataclasses import dataclass
 
 from slidefusion.attention.backends import BACKENDS
 from slidefusion.attention.functional import check_kernel_size
-from slidefusion.errors import check
+from slidefusion.core.errors import check, choose
 
 Triple = tuple[int, int, int]
 OFFSETS = ("sample", "shift", None)
 TEMPORAL = ("dense", "slide")
-
-
-@dataclass(frozen=True)
-class SwapRecord:
-    """processors: class names of the stock processors this family's self-attention runs (each
-    computes its own projections, QK-norm and RoPE and then calls softmax attention once per call,
-    or once per sample: Mochi); text: where a joint block's text tokens sit in that attention's
-    sequence, "first" (CogVideoX), "last" (HunyuanVideo, Mochi) or None (video tokens only)."""
-
-    processors: tuple[str, ...]
-    text: str | None = None
-
-
-# Read from each family's processor in diffusers (attention_processor.py and transformer_<family>.py).
-SWAP_RECORDS: dict[str, SwapRecord] = {
-    "wan": SwapRecord(("WanAttnProcessor",)),
-    "cogvideox": SwapRecord(("CogVideoXAttnProcessor2_0",), text="first"),
-    "hunyuanvideo": SwapRecord(("HunyuanVideoAttnProcessor2_0",), text="last"),
-    "mochi": SwapRecord(("MochiAttnProcessor2_0",), text="last"),
-    "ltx": SwapRecord(("LTXVideoAttnProcessor",)),
-    "latte": SwapRecord(("AttnProcessor2_0",)),
-}
 
 
 @dataclass(frozen=True)
@@ -71,12 +48,12 @@ class SlideOptions:
         elif isinstance(kernel, Sequence) and not isinstance(kernel, str):
             kernel = tuple(kernel)  # a YAML list
         object.__setattr__(self, "kernel_size", check_kernel_size(kernel))
-        check(self.offsets in OFFSETS, f"offsets={self.offsets!r} is unknown; valid: 'sample', 'shift', None")
+        choose(self.offsets, OFFSETS, "offsets")
         ok = isinstance(self.max_offset, (int, float)) and not isinstance(self.max_offset, bool)
         check(ok and math.isfinite(self.max_offset) and self.max_offset > 0,
               f"max_offset={self.max_offset!r} must be a finite number > 0 (tokens)")
-        check(self.temporal in TEMPORAL, f"temporal={self.temporal!r} is unknown; valid: {', '.join(TEMPORAL)}")
-        check(self.backend in BACKENDS, f"backend={self.backend!r} is unknown; valid: {', '.join(BACKENDS)}")
+        choose(self.temporal, TEMPORAL, "temporal")
+        choose(self.backend, BACKENDS, "backend")
 
     def site_kernel(self, kind: str) -> Triple:
         """The window of a block of `kind`: full 3D, (1, kh, kw) inside each frame, (kt, 1, 1) along time."""

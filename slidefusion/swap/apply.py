@@ -5,11 +5,17 @@
     handle.remove()           # or restore_attention(transformer): the stock model again, bitwise
 
 diffusers models keep their modules: each swapped attention gets a `SlideProcessor` (`set_processor`,
-the stock one kept for `remove`) and, with offsets, an `OffsetNet` submodule `slide_offsets`; a forward
-pre-hook on the transformer reads the token grid from the latents (`adapter.grid_from_call`).
+the stock one kept for `remove`) and, with offsets, an `OffsetNet` submodule `slide_offsets`; a hook
+on the transformer (`GRID_HOOK` in the one registry, `slidefusion.core.hooks`) reads the token grid
+from the latents (`adapter.grid_from_call`).
 Our own DiT3D / STDiT compute on grids already: their grid operator is replaced by a
 `SlideAttention3d` / `NeighborhoodAttention3d` that shares the old operator's q/k/v and output
 projections (the state dict then reads exactly like a model built with `model.attention=slide`).
+
+The swap changes what the model is made of (processors, modules, parameters), so it is the innermost
+layer: it goes on before offload streaming, tiling or a parallel plan is attached (they read the
+model's modules and parameters when attached) and comes off after they are gone; the other order is
+refused with one line.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from slidefusion.adapters import AttentionSite, ModelAdapter, adapter_for
 from slidefusion.attention import GridAttention, NeighborhoodAttention3d, OffsetNet, SlideAttention3d
-from slidefusion.errors import check
-from slidefusion.processors.processor import OFFSETS_ATTR, GridState, SitePlan, slide_processor_class
-from slidefusion.processors.records import SWAP_RECORDS, SlideOptions
+from slidefusion.core import hooks
+from slidefusion.core.errors import check
+from slidefusion.families import AttentionSite, ModelAdapter, SwapRecord, adapter_for, adapters_with
+from slidefusion.swap.processor import OFFSETS_ATTR, GridState, SitePlan, slide_processor_class
+from slidefusion.swap.records import SlideOptions
 
-_OURS = ("dit3d", "stdit")
+GRID_HOOK = "swap.grid"
+# The engines that read the model's modules and parameters when they are attached.
+_ENGINES = ("offload", "tiling", "parallel")
 _SWAPPED: weakref.WeakKeyDictionary[nn.Module, SlideAttentionHandle] = weakref.WeakKeyDictionary()
 
 
@@ -44,6 +53,7 @@ class SlideAttentionHandle:
     def remove(self) -> None:
         """Restore the stock attention: processors (the very objects that were there), the grid
         hook, and no offset modules; the model's own weights keep whatever training did to them."""
+        hooks.refuse_hooks(self.model, {e: "remove them before the slide attention" for e in _ENGINES})
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
@@ -67,16 +77,20 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
     """
     options = SlideOptions(kernel_size, offsets, max_offset, temporal, backend)
     adapter = adapter_for(transformer)
+    hooks.refuse_hooks(transformer, {e: "swap the attention first, then attach them" for e in _ENGINES})
     check(transformer not in _SWAPPED, f"{type(transformer).__name__} already uses slide attention; "
                                        "call restore_attention(model) before swapping it again")
+    record = adapter.swap
+    check(record is not None, f"use_slide_attention does not cover {adapter.class_name} yet; supported: "
+                              f"{', '.join(a.class_name for a in adapters_with('swap'))}")
     sites = [s for s in adapter.attention_sites(transformer)
              if s.kind != "temporal" or options.temporal == "slide"]
     handle = SlideAttentionHandle(transformer, options, [s.path for s in sites])
     try:
-        if adapter.family in _OURS:
+        if record.processors:
+            _swap_diffusers(transformer, adapter, record, sites, options, handle)
+        else:  # our own models: grid operators, replaced as modules
             _swap_ours(transformer, sites, options, handle)
-        else:
-            _swap_diffusers(transformer, adapter, sites, options, handle)
     except BaseException:
         handle.remove()
         raise
@@ -96,11 +110,8 @@ def slide_attention_handle(transformer: nn.Module) -> SlideAttentionHandle | Non
 
 
 # ---------------------------------------------------------------- diffusers models
-def _swap_diffusers(model, adapter: ModelAdapter, sites: list[AttentionSite], options: SlideOptions,
-                    handle: SlideAttentionHandle) -> None:
-    record = SWAP_RECORDS.get(adapter.family)
-    check(record is not None, f"use_slide_attention does not cover {adapter.class_name} yet; "
-                              f"supported: {', '.join(sorted(SWAP_RECORDS))}, dit3d, stdit")
+def _swap_diffusers(model, adapter: ModelAdapter, record: SwapRecord, sites: list[AttentionSite],
+                    options: SlideOptions, handle: SlideAttentionHandle) -> None:
     state = GridState()
     for site in sites:
         attn = model.get_submodule(site.path)
@@ -115,13 +126,13 @@ def _swap_diffusers(model, adapter: ModelAdapter, sites: list[AttentionSite], op
         if options.offsets is not None:
             _add_offsets(attn, plan.kernel, options, handle)
 
-    hook = model.register_forward_pre_hook(_GridHook(adapter, state), with_kwargs=True)
-    handle._undo.append(hook.remove)
+    hooks.add_hook(model, GRID_HOOK, _GridHook(adapter, state))
+    handle._undo.append(lambda: hooks.remove_hook(model, GRID_HOOK))
 
 
 class _GridHook:
-    """Forward pre-hook: the token grid of this call, for the model's slide processors. An object,
-    not a closure, so that a deep copy of the model hooks its own copied processors' state."""
+    """The token grid of this call, for the model's slide processors. An object, not a closure, so
+    that a deep copy of the model hooks its own copied processors' state."""
 
     def __init__(self, adapter: ModelAdapter, state: GridState):
         self.adapter, self.state = adapter, state
@@ -129,8 +140,9 @@ class _GridHook:
     def __deepcopy__(self, memo):  # the adapter is shared data (it holds read-only mappings)
         return _GridHook(self.adapter, copy.deepcopy(self.state, memo))
 
-    def __call__(self, module, args, kwargs):
+    def __call__(self, module, call_next, *args, **kwargs):
         self.state.grid = self.adapter.grid_from_call(module, args, kwargs)
+        return call_next(*args, **kwargs)
 
 
 def _set_processor(attn: nn.Module, processor) -> None:

@@ -1,4 +1,5 @@
-"""The data an adapter is made of: text conditioning, block lists, text and objective facts.
+"""The data a family record is made of: text conditioning, block lists, text and objective facts,
+and what the slide swap, the parallel plans and the parallel VAE decode need of a family.
 
 Everything here is plain data plus the few lines of arithmetic that define it (the objective's
 timestep units and targets), so that the training loss, the samplers and the parallel and attention
@@ -7,13 +8,14 @@ plans all read one definition per fact.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 BLOCK_KINDS = ("full", "spatial", "temporal")
 
@@ -197,3 +199,95 @@ class Objective:
             raise UserError(f"a {self.kind}-prediction objective needs the scheduler's alphas_cumprod")
         a = alphas_cumprod.to(like.device)[t.long()].to(like.dtype).view(view)
         return a.sqrt(), (1 - a).sqrt()
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    """What swapping a family's self-attention for slide attention needs beyond its blocks.
+
+    processors: class names of the stock processors whose softmax attention can be redirected (each
+        computes its own projections, QK-norm and RoPE and then calls softmax attention once per
+        call, or once per sample: Mochi); empty for our own models, whose grid operators are
+        replaced as modules. text: where a joint block's text tokens sit in that attention's
+        sequence, "first" (CogVideoX), "last" (HunyuanVideo, Mochi) or None (video tokens only)."""
+
+    processors: tuple[str, ...] = ()
+    text: str | None = None
+
+    def __post_init__(self):
+        assert self.text in (None, "first", "last"), self.text
+
+
+@dataclass(frozen=True)
+class AttentionAccess:
+    """How head-parallel attention (Ulysses) reaches one attention class.
+
+    heads(m) -> int. project(m, x, args, kwargs, span): this rank's tokens x (G, n, C) -> qkv
+    (G, n, 3, heads, D), every per-token step included (projection, QK norm, rotary); args/kwargs are
+    the rest of the module's call (e.g. Wan's rotary_emb, already cut to this rank's tokens) and
+    span = (start, n) says which of this rank's tokens x holds, so a token-shaped argument can be cut
+    to match. attend(m, q, k, v): the class's own operator on grid-shaped (G, T, H, W, h, D) tensors,
+    any subset of heads. output(m, o): (G, n, heads, D) -> (G, n, C). dense: the operator is softmax
+    over every key at scale D^-0.5, so it may be computed in key chunks merged by log-sum-exp (sliced
+    Ulysses). check(m): a UserError for a configuration of the class that the above does not cover."""
+
+    heads: Callable[[nn.Module], int]
+    project: Callable[..., Tensor]
+    attend: Callable[..., Tensor]
+    output: Callable[[nn.Module, Tensor], Tensor]
+    dense: bool
+    check: Callable[[nn.Module], None] = lambda m: None
+
+
+GRID, ROWS = "grid", "rows"
+
+
+@dataclass(frozen=True)
+class ModelAccess:
+    """What the parallel engine needs of one family beyond its blocks and attention sites.
+
+    output: path of the token-wise module after the blocks; it runs on the shard and its output is
+        gathered (our `final`, diffusers' `proj_out`: a few values per token instead of the width).
+    layout: how a block's token tensor is laid out - GRID: (B, T, H, W, C) (ours; a shard of
+        positions is (B, T, S_r, 1, C)); ROWS: (B*T, S, C) into spatial and full blocks (a full
+        block's is (B, N, C)), (B*S, T, C) into temporal ones (Latte, Wan).
+    batched: the model call's per-sample arguments (CFG-parallel gives each half to one group).
+    token_args: per-token call arguments -> their token dim (sharded with the tokens when present).
+    token_outputs: module path -> token dim of its outputs (sharded as the module returns them).
+    rows: per block kind, the block arguments with one row per row of its token tensor (cut with
+        the rows a block computes).
+    chained: the forward passes each block's output unchanged to the next block, so a switch
+        between two layouts may start in one block's hook and end in the next one's.
+    """
+
+    output: str
+    layout: str
+    batched: tuple[str, ...]
+    token_args: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    token_outputs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    rows: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    chained: bool = False
+
+    def __post_init__(self):
+        assert self.layout in (GRID, ROWS), self.layout
+
+
+@dataclass(frozen=True)
+class TileSplit:
+    """Where a VAE's decoder may be cut into column (or row) tiles for a split decode: `prefix_end`
+    is the module after which everything is local; `tail` the modules that follow it, in call order
+    (their receptive field is the halo)."""
+
+    prefix_end: str
+    tail: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VaeFacts:
+    """What slidefusion knows of the VAE classes a family's pipelines ship.
+
+    image: classes of 2-D image VAEs the pipeline runs frame by frame (Latte's);
+    splits: class name -> where its decoder may be split over ranks (`TileSplit`)."""
+
+    image: tuple[str, ...] = ()
+    splits: Mapping[str, TileSplit] = field(default_factory=lambda: MappingProxyType({}))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from slidefusion.adapters import DIFFUSERS_CLASSES, TextConditioning, adapter_for, adapter_for_class
+from slidefusion.families import DIFFUSERS_CLASSES, TextConditioning, adapter_for, adapter_for_class
 from slidefusion.errors import UserError
 from slidefusion.testing.tiny import FAMILIES, TEXT_DIM, TINY, family_latent_thw, tiny_latents, tiny_model, tiny_text
 
@@ -360,7 +360,7 @@ def test_bad_text_is_a_one_line_user_error():
         adapter.predict(model, x, _timesteps(adapter), TextConditioning(text.states[:, :5]))
     with pytest.raises(UserError, match=r"text.mask must be None or \(2, 8\)"):
         TextConditioning(text.states, torch.ones(2, 7, dtype=torch.bool))
-    with pytest.raises(UserError, match="must be a slidefusion.adapters.TextConditioning"):
+    with pytest.raises(UserError, match="must be a slidefusion.families.TextConditioning"):
         adapter.predict(model, x, _timesteps(adapter), text.states)
     with pytest.raises(UserError, match=r"adapter option\(s\) \['shift'\] unknown .*valid: \['expand_timesteps'\]"):
         adapter_for(tiny_model("wan"), shift=3.0)

@@ -2,9 +2,10 @@
 
 A record says where the blocks are (lists in call order, interleaved or one after another), what
 kind each block is and where its self-attention lives, which config keys hold the latent channels
-and patch sizes, how the family's pipeline encodes text, what the model predicts, and one small
-`call` function that turns (latents (B, C, T, H, W), timesteps, text) into the model's own call
-and its output back into (B, C_out, T, H, W). Everything else is generic over those facts.
+and patch sizes, how the family's pipeline encodes text and sets its timesteps, what the model
+predicts, what the slide swap, the parallel plans and tiling need of it, and one small `call`
+function that turns (latents (B, C, T, H, W), timesteps, text) into the model's own call and its
+output back into (B, C_out, T, H, W). Everything else is generic over those facts.
 """
 
 from __future__ import annotations
@@ -19,13 +20,40 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slidefusion.adapters.records import AttentionSite, BlockList, Objective, TextConditioning, TextSpec, TokenTiling
-from slidefusion.errors import check
+from slidefusion.core.errors import check
+from slidefusion.core.grids import token_grid
+from slidefusion.families.records import (
+    AttentionAccess,
+    AttentionSite,
+    BlockList,
+    ModelAccess,
+    Objective,
+    SwapRecord,
+    TextConditioning,
+    TextSpec,
+    TokenTiling,
+    VaeFacts,
+)
 
 # (adapter, model, latents (B, C, T, H, W), timesteps, text) -> raw output (B, C_out, T, H, W)
 CallFn = Callable[["ModelAdapter", nn.Module, Tensor, Tensor, TextConditioning], Tensor]
 # (adapter, model, latent shape) -> None, raising a UserError for shapes the model cannot take
 CheckFn = Callable[["ModelAdapter", nn.Module, tuple[int, ...]], None]
+# (the family's pipeline around its text encoders, prompts, parts) -> TextConditioning
+EncodeFn = Callable[[Any, list[str], Any], TextConditioning]
+# (scheduler, steps, latent shape (B, C, T, H, W)) -> None: the scheduler's timesteps, set
+TimestepsFn = Callable[[Any, int, tuple[int, ...]], None]
+# (parts, noise (B, C, T, H, W), cond, uncond or None, steps, guidance, progress) -> latents
+SampleFn = Callable[..., Tensor]
+
+
+def default_timesteps(scheduler, steps: int, shape: tuple[int, ...]) -> None:
+    """What most pipelines do: `scheduler.set_timesteps(steps)`."""
+    scheduler.set_timesteps(steps)
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
 
 
 def config_value(model: nn.Module, key: str | int, default: Any = None) -> Any:
@@ -53,10 +81,12 @@ class ModelAdapter:
         width keywords); check_latents: extra shape rules (Latte's video_length);
     options: per-instance settings, with defaults, that the pipeline config may set (Wan 2.2's
         `expand_timesteps`, LTX's `rope_interpolation_scale`, HunyuanVideo's default guidance);
-    schedule: how the family's pipeline sets its scheduler's timesteps (`slidefusion.pretrained.sampling`):
-        "default" (`set_timesteps(steps)`), "linspace" (sigmas 1 .. 1/steps, HunyuanVideo),
-        "shifted-linspace" (the same from 1 to 1/steps with mu from the token count, LTX),
-        "linear-quadratic" (Mochi's schedule);
+    folder_options: (the folder's VAE config) -> options its pipeline derives from the folder
+        (LTX's rope interpolation scale from the VAE's compression);
+    timesteps: how the family's pipeline sets its scheduler's timesteps (`TimestepsFn`);
+    encode: how the family's pipeline encodes prompts (`EncodeFn`, through its own `encode_prompt`);
+    sample: the family's denoising loop, through its own diffusers pipeline (`SampleFn`; None: the
+        generic loop of `slidefusion.pretrained.sampling`);
     guidance: "cfg" (a conditional and an unconditional prediction) or "embedded" (the scale is an
         input of a guidance-distilled model, HunyuanVideo);
     lora_targets: the modules LoRA adapts by default (peft `target_modules`: name suffixes);
@@ -65,7 +95,15 @@ class ModelAdapter:
         one like it, and outside its self-attention works per token or per sample, so a block can
         run on a slab of the grid (what `offload.tiled` relies on; foreign blocks: False);
     token_tiling: for blocks on packed video tokens, how they run on a range of frames (`TokenTiling`;
-        None: not tileable).
+        None: not tileable);
+    swap: what `use_slide_attention` needs (`SwapRecord`; None: not swappable);
+    parallel: what the parallel plans need of the model (`ModelAccess`; None: no parallel plan);
+    attention: how head-parallel attention reaches the family's attention classes, by class or by
+        "module.ClassName" (`AttentionAccess`);
+    presets: published model configs by name (what the offload planner sizes without a folder);
+    widths: (model) -> (hidden width, heads, MLP width / hidden), for the offload planner (None: the
+        planner does not size this family);
+    vae: the family's VAE classes (`VaeFacts`).
     """
 
     family: str
@@ -82,13 +120,22 @@ class ModelAdapter:
     pooled_dim: str | None = None
     input_layout: str = "BCTHW"
     check_latents: CheckFn | None = None
-    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    schedule: str = "default"
+    options: Mapping[str, Any] = field(default_factory=_empty)
+    folder_options: Callable[[Mapping], dict] | None = None
+    timesteps: TimestepsFn = default_timesteps
+    encode: EncodeFn | None = None
+    sample: SampleFn | None = None
     guidance: str = "cfg"
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     fps: int = 16
     grid_blocks: bool = False
     token_tiling: TokenTiling | None = None
+    swap: SwapRecord | None = None
+    parallel: ModelAccess | None = None
+    attention: Mapping[type | str, AttentionAccess] = field(default_factory=_empty)
+    presets: Mapping[str, Mapping] = field(default_factory=_empty)
+    widths: Callable[[nn.Module], tuple[int, int, float]] | None = None
+    vae: VaeFacts = VaeFacts()
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""
@@ -137,14 +184,10 @@ class ModelAdapter:
         channels = self.latent_channels(model)
         check(len(shape) == 5 and shape[1] == channels,
               f"latents must be (B, {channels}, T, H, W) for {self.class_name}, got {shape}")
-        grid = []
-        for axis, size, patch in zip(("frames", "height", "width"), shape[2:], self.patch_size(model)):
-            check(size >= patch and size % patch == 0,
-                  f"latent {axis}={size} must be a positive multiple of {self.class_name}'s patch size {patch}")
-            grid.append(size // patch)
+        grid = token_grid(shape[2:], self.patch_size(model), self.class_name)
         if self.check_latents is not None:
             self.check_latents(self, model, shape)
-        return tuple(grid)
+        return grid
 
     def grid_from_call(self, model: nn.Module, args: tuple, kwargs: Mapping) -> tuple[int, int, int]:
         """The token grid of a call to the model's own forward, as a forward pre-hook sees it."""
@@ -160,7 +203,7 @@ class ModelAdapter:
     def raw_output(self, model: nn.Module, latents: Tensor, timesteps, text: TextConditioning) -> Tensor:
         """The model's whole output (B, C_out, T, H, W), learned-variance channels included."""
         check(isinstance(text, TextConditioning),
-              f"text must be a slidefusion.adapters.TextConditioning, got {type(text).__name__}")
+              f"text must be a slidefusion.families.TextConditioning, got {type(text).__name__}")
         self.token_grid(model, latents.shape)
         b = latents.shape[0]
         timesteps = torch.as_tensor(timesteps, device=latents.device)

@@ -65,7 +65,7 @@ def test_init_from_dense_starts_the_slide_model_where_the_dense_one_is(tmp_path,
 @pytest.mark.parametrize("offload", [[], ["--offload", "--device", "cpu"]])
 def test_cli_adapts_a_dense_checkpoint_to_slide_attention(tmp_path, dense_checkpoint, offload, capsys):
     code = main(["train", "configs/tiny.yaml", "--init-from", str(dense_checkpoint[0]), "model.attention=slide",
-                 "model.attention_options={kernel_size: [3, 5, 5], offset_mode: shift}", "data.frames=2",
+                 "model.attention_options={kernel_size: [3, 5, 5], offsets: shift}", "data.frames=2",
                  "data.height=8", "data.width=8", "run.batch_size=2", "run.steps=2", "run.save_every=2",
                  f"run.output_dir={tmp_path}", *offload, "--quiet"])
     out, err = capsys.readouterr()
@@ -80,14 +80,14 @@ def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swa
     # What a fine-tune of model.pretrained=DIR with model.attention=slide does on each path.
     from itertools import chain
 
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.offload import OffloadEngine, OffloadPolicy
     from slidefusion.pretrained import build_on_meta, iter_weights, load_transformer
-    from slidefusion.processors import slide_offset_weights, use_configured_attention
+    from slidefusion.swap import slide_offset_weights, use_configured_attention
     from slidefusion.testing.tiny import save_tiny_transformer, tiny_text
 
     folder = save_tiny_transformer(tmp_path / "wan", "wan")
-    options = {"kernel_size": [1, 3, 3], "offset_mode": "shift"}
+    options = {"kernel_size": [1, 3, 3], "offsets": "shift"}
     resident = load_transformer(folder, dtype=torch.float32)
     use_configured_attention(resident, "slide", options)
     offsets = slide_offset_weights(resident, seed=3)
@@ -114,7 +114,7 @@ def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swa
 
 def test_configured_attention_names_and_options():
     from slidefusion.errors import UserError
-    from slidefusion.processors import slide_attention_handle, use_configured_attention
+    from slidefusion.swap import slide_attention_handle, use_configured_attention
     from slidefusion.testing.tiny import tiny_model
 
     model = tiny_model("wan")
@@ -150,7 +150,7 @@ def _finetune(folder, out, name, *extra):
 
 @pytest.mark.parametrize("lora", [[], ["lora.rank=4"]], ids=["full", "lora"])
 def test_a_wan_folder_adapts_to_slide_attention_offloaded_as_resident(tiny_wan_dir, tmp_path, lora):
-    window = ["model.attention_options={kernel_size: [1, 3, 3], offset_mode: shift}", "run.steps=3", "--quiet", *lora]
+    window = ["model.attention_options={kernel_size: [1, 3, 3], offsets: shift}", "run.steps=3", "--quiet", *lora]
     resident = _finetune(tiny_wan_dir, tmp_path, "resident", *window)
     offloaded = _finetune(tiny_wan_dir, tmp_path, "offloaded", "--offload", *window)
     torch.testing.assert_close(offloaded[0], resident[0], rtol=1e-5, atol=0)
@@ -188,7 +188,7 @@ def test_step_0_of_an_adapted_run_is_the_dense_model_when_the_window_covers_the_
 
 def test_a_slide_adapted_run_samples_as_trained_and_is_not_exported_as_a_stock_folder(tiny_wan_dir, tmp_path, capsys):
     from slidefusion.pipeline import VideoPipeline
-    from slidefusion.processors import slide_attention_handle
+    from slidefusion.swap import slide_attention_handle
 
     _, weights, checkpoint = _finetune(tiny_wan_dir, tmp_path, "slide", "run.steps=1", "--quiet",
                                        "model.attention_options={kernel_size: [1, 3, 3]}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slidefusion import restore_attention, use_slide_attention
-from slidefusion.adapters import adapter_for
+from slidefusion.families import adapter_for
 from slidefusion.errors import UserError
 from slidefusion.testing.tiny import family_latent_thw, tiny_latents, tiny_model, tiny_text
 
@@ -186,7 +186,7 @@ def test_torch_compile_traces_a_swapped_model_in_one_graph():
     ("wan", {"kernel_size": 0}, "kernel_size must be odd and >= 1"),
     ("wan", {"kernel_size": (3, -1, 3)}, "kernel_size must be odd and >= 1"),
     ("wan", {"kernel_size": (3, 3)}, "kernel_size must be 3 ints"),
-    ("wan", {"offsets": "learned"}, "offsets='learned' is unknown; valid: 'sample', 'shift', None"),
+    ("wan", {"offsets": "learned"}, "offsets='learned' is unknown; valid: sample, shift, None"),
     ("wan", {"temporal": "window"}, "temporal='window' is unknown; valid: dense, slide"),
     ("wan", {"max_offset": 0}, "max_offset=0 must be a finite number > 0"),
     ("wan", {"backend": "cuda"}, "backend='cuda' is unknown"),
@@ -219,3 +219,11 @@ def test_a_window_larger_than_the_grid_is_clamped_to_it():
         exact = predict(model)
     restore_attention(model)
     assert torch.equal(clamped, exact)
+
+
+def test_the_old_offset_mode_key_configures_the_same_swap_with_one_deprecation_line():
+    from slidefusion.swap import configured_options
+
+    with pytest.warns(FutureWarning, match="model.attention_options.offset_mode is deprecated"):
+        old = configured_options("slide", {"offset_mode": "shift", "kernel_size": 3})
+    assert old == configured_options("slide", {"offsets": "shift", "kernel_size": 3})

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from slidefusion.attention import effective_kernel, joint_attention, slide_attention
 from slidefusion.attention.redirect import RedirectAttention, native_copy
-from slidefusion.errors import UserError, check
-from slidefusion.processors.records import Triple, view_grid
+from slidefusion.core.errors import UserError, check
+from slidefusion.swap.records import Triple, view_grid
 
 OFFSETS_ATTR = "slide_offsets"  # the offset network's name under the attention module
 

@@ -14,7 +14,8 @@ from slidefusion.errors import UserError
 from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, parse_slices
 
 
-PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout"}
+PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout",
+                 "ulysses": "--ulysses", "ring": "--ring"}
 
 
 def _slices(text: str) -> int | str:
@@ -28,8 +29,12 @@ def add_parallel_options(generate: argparse.ArgumentParser) -> None:
     group.add_argument("--parallel", metavar="SCHEDULE", choices=list(SCHEDULES),
                        help=f"run across the torchrun ranks: {', '.join(SCHEDULES)}")
     group.add_argument("--slices", type=types.arg_type("slices", _slices), default=None, metavar="N|auto",
-                       help="slices per switch (scalefusion, scalefusion-inter; default 4) or per Ulysses all-to-all "
-                            "(ulysses on full-3D models; default 1 = plain Ulysses)")
+                       help="slices per switch (scalefusion, scalefusion-inter; default 4) or per exchange "
+                            "(ulysses, ring, usp on full-3D models; default 1 = unsliced; auto: default of --parallel auto)")
+    group.add_argument("--ulysses", type=types.positive_int, default=None, metavar="U",
+                       help="usp: ranks of each head all-to-all group (consecutive ranks; U x R = ranks per sequence group)")
+    group.add_argument("--ring", type=types.positive_int, default=None, metavar="R",
+                       help="usp: ranks of each ring (key/value blocks pass around it)")
     group.add_argument("--cfg-parallel", action="store_true",
                        help="conditional and unconditional halves on two rank groups (even rank count)")
     group.add_argument("--trace", metavar="PATH", type=types.output_file(".json"),
@@ -46,6 +51,11 @@ def reject_parallel_options(args) -> None:
                         f"({', '.join(SCHEDULES)}) under torchrun, or drop {given[0]}")
 
 
+def _config(args, timeout: float) -> ParallelConfig:
+    return ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, timeout,
+                          ulysses=args.ulysses, ring=args.ring)
+
+
 def _prepare(args, build_pipeline):
     """Every check that needs no process group, before any is joined: the config, the output path,
     whether the schedule suits the model, the launcher, and whether the model fits this many ranks."""
@@ -54,7 +64,7 @@ def _prepare(args, build_pipeline):
     from slidefusion.parallel.plan import check_fit
 
     timeout = 300.0 if args.timeout is None else args.timeout
-    config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, timeout)
+    config = _config(args, timeout)
     check_video_path(Path(args.out))
     args.device = str(pick_backend()[1])
     pipe = build_pipeline(args)
@@ -114,7 +124,7 @@ def _generate_pretrained(args) -> None:
 
     start = time.perf_counter()
     timeout = 300.0 if args.timeout is None else args.timeout
-    config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, timeout)
+    config = _config(args, timeout)
     sizes = {k: getattr(args, k) for k in ("frames", "height", "width") if getattr(args, k, None) is not None}
     request = Request(args.prompt, steps=args.steps, guidance=args.guidance, seed=args.seed, **sizes)
     check_request(args.pretrained, request, config, launcher_world(), args.out)

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from slidefusion.parallel.simulate import Link
-from slidefusion.parallel.simulate_ring import P2P, UspCosts, simulate_usp
+from slidefusion.parallel.simulate_ring import P2P, UspCosts, step_estimate
 
 SLICES = (1, 2, 4, 8)  # candidates; the probe measures 1 and 4, and every choice is timed before it is taken
 SHORTLIST = 3  # predicted-best candidates timed besides plain Ulysses
@@ -82,7 +82,7 @@ def usp_costs(m: Measured, ulysses: int, ring: int) -> UspCosts:
 
 
 def predict(m: Measured, c: Candidate) -> float:
-    return simulate_usp(usp_costs(m, c.ulysses, c.ring), c.slices).step_s
+    return step_estimate(usp_costs(m, c.ulysses, c.ring), c.slices)
 
 
 def candidates(ranks: int, heads: int, dense: bool, degrees=None, slices=SLICES) -> list[Candidate]:

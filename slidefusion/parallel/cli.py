@@ -78,10 +78,30 @@ def _reported_by_rank_zero(run, *args) -> None:
     so the error is one line)."""
     try:
         run(*args)
-    except UserError:
+    except UserError as error:
         if os.environ.get("RANK", "0") != "0":
-            raise SystemExit(2) from None
+            _leave_after_rank_zero(error)
         raise
+
+
+RANK_ZERO_WAIT_S = 60.0
+
+
+def _leave_after_rank_zero(error: UserError):
+    """Exit 2 in silence, but not before rank 0 has said why. torchrun stops every other rank with
+    SIGTERM as soon as one rank has exited: a rank that left first could cut rank 0 off before its
+    line, and rank 0 would show as killed. So under torchrun this rank waits for that SIGTERM and
+    answers it with exit 2 (every rank then exits 2 on its own); if none comes within
+    RANK_ZERO_WAIT_S (rank 0 did not hit the same check), it says it itself."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun agent will stop this rank
+        raise SystemExit(2) from None
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))  # stdout/stderr hold nothing of this rank's
+    time.sleep(RANK_ZERO_WAIT_S)
+    print(f"slidefusion: rank {os.environ['RANK']}: error: {types.one_line(str(error))}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def generate_parallel(args, build_pipeline) -> None:

@@ -34,6 +34,9 @@ def setup_ring(model, engine, config: ParallelConfig, group, latent_shape) -> No
     open (`--parallel auto`, `--slices auto`); sets `engine.grid`, `engine.slices`, `engine.tuning`."""
     plan, comm = engine.plan, engine.comm
     sequences = sequence_groups(config, group)
+    if comm.size == 1:  # nothing to split (CFG-parallel on 2 ranks): the model runs whole on each
+        engine.grid, engine.slices = None, 1
+        return
     if config.schedule == "auto":
         degrees = factorizations(comm.size, plan.heads) if plan.dense else [(comm.size, 1)]
         if not degrees:

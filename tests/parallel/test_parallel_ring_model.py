@@ -115,3 +115,47 @@ def test_usp_beats_ulysses_across_nodes_and_ties_inside_one(inter):
     assert four["skipped"] == "32 ranks > 24 heads" and four["best"] == "usp"  # Ulysses stops at the heads
     wan = {(r["gpus"], r["cfg_parallel"]): r for r in full_scenario("wan2.1-14b-720p", hw)["rows"]}
     assert wan[16, False]["best"] == "usp" and wan[16, False]["usp_vs_sliced_ulysses"] > 1.1
+
+
+@pytest.mark.parametrize("tokens, ulysses, ring, slices", [(75, 2, 2, 3), (6, 1, 4, 4), (45, 3, 1, 2), (7, 2, 3, 2)])
+def test_every_rank_meets_every_key_once(tokens, ulysses, ring, slices):
+    """Hash-coded positions through the ring's layout: each rank's own tokens, chunked, traded inside its
+    Ulysses group and then met on every ring hop cover every token exactly once, in uneven splits and
+    with empty chunks."""
+    from slidefusion.parallel.layout import Split
+    from slidefusion.parallel.ring import RingLayout
+
+    layout = RingLayout(Split(tokens, ulysses * ring), ulysses, slices)
+    position = list(range(tokens))  # token i is coded by its own index
+
+    def chunk(p, k):
+        start = sum(layout.chunk(p, j) for j in range(k)) + Split(tokens, ulysses * ring).start(p)
+        return position[start:start + layout.chunk(p, k)]
+
+    for p in range(ulysses * ring):
+        r = p // ulysses
+        seen = []
+        for h in range(ring):  # hop 0 is the local block
+            for k in range(slices):
+                block = [t for u in range(ulysses) for t in chunk(((r - h) % ring) * ulysses + u, k)]
+                assert len(block) == layout.block((r - h) % ring, k)
+                seen += block
+        assert sorted(seen) == position  # every key once
+        mine = [t for k in range(slices) for t in chunk(p, k)]
+        assert mine == position[Split(tokens, ulysses * ring).start(p):][:len(mine)]  # queries stay in place
+
+
+def test_gpu_script_parses_and_dry_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "benchmarks" / "gpu" / "parallel.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    dry = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert dry.returncode == 0 and "parallel_streams.py" in dry.stdout and "skipped" in dry.stdout, dry.stderr
+    plan = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "parallel_streams.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0 and "would check the ring merge" in plan.stdout, plan.stderr

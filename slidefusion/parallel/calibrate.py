@@ -37,11 +37,8 @@ def setup_ring(model, engine, config: ParallelConfig, group, latent_shape) -> No
     if comm.size == 1:  # nothing to split (CFG-parallel on 2 ranks): the model runs whole on each
         engine.grid, engine.slices = None, 1
         return
-    if config.schedule == "auto":
+    if config.schedule == "auto":  # plan_for refused a window operator on more ranks than heads
         degrees = factorizations(comm.size, plan.heads) if plan.dense else [(comm.size, 1)]
-        if not degrees:
-            raise UserError(f"--parallel auto: {plan.family}'s attention limits each query to a window and "
-                            f"{comm.size} ranks > {plan.heads} heads: no schedule fits; valid: at most {plan.heads} ranks")
     else:
         degrees = [ring_degrees(config, comm.size, plan.heads)]
     grids = build_grids(comm, sequences, [d for d in degrees if d != (comm.size, 1)], config.timeout_s)

@@ -170,9 +170,14 @@ def check_ring(plan: Plan, schedule: Schedule, ranks: int | None) -> None:
     if not plan.full:
         raise UserError(f"--parallel {schedule.name} splits full-3D attention; {plan.family} has spatial/temporal "
                         f"blocks; valid: dsp, ulysses, scalefusion, scalefusion-inter")
-    if not plan.dense and schedule.name != "auto":
+    if plan.dense:
+        return
+    if schedule.name != "auto":
         raise UserError(f"--parallel {schedule.name} splits the keys of softmax attention; {plan.family}'s attention "
                         f"limits each query to a window, a mask that ring cannot split; valid: ulysses")
+    if ranks is not None and ranks > plan.heads:  # auto could only choose plain Ulysses, which the heads rule out
+        raise UserError(f"--parallel auto: {plan.family}'s attention limits each query to a window (ring cannot split "
+                        f"it) and {ranks} ranks > {plan.heads} heads (Ulysses cannot); valid: at most {plan.heads} ranks")
 
 
 def ring_degrees(config: ParallelConfig, ranks: int, heads: int) -> tuple[int, int]:

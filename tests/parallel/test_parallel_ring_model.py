@@ -159,3 +159,25 @@ def test_gpu_script_parses_and_dry_runs(tmp_path):
     plan = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu" / "parallel_streams.py"), "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0 and "would check the ring merge" in plan.stdout, plan.stderr
+
+
+def test_plans_refuse_what_the_ring_cannot_split():
+    from slidefusion.errors import UserError
+    from slidefusion.models import build_model, preset
+    from slidefusion.parallel import ParallelConfig
+    from slidefusion.parallel.plan import SCHEDULES, check_fit, plan_for
+
+    window = build_model(preset("dit3d-tiny", attention="window"))
+    with pytest.raises(UserError, match="a mask that ring cannot split; valid: ulysses"):
+        plan_for(window, SCHEDULES["usp"], 2)
+    with pytest.raises(UserError, match="3 ranks > 2 heads \\(Ulysses cannot\\)"):
+        plan_for(window, SCHEDULES["auto"], 3)
+    with pytest.raises(UserError, match="ulysses --slices 2 cuts softmax attention into key chunks"):
+        check_fit(window, ParallelConfig("ulysses", 2), 2)  # it would compute dense attention: a wrong result
+    assert not plan_for(window, SCHEDULES["auto"], 2).dense  # auto may still run it as plain Ulysses
+    dense = build_model(preset("dit3d-tiny"))
+    assert plan_for(dense, SCHEDULES["ring"], 4).heads == 2  # past the head count
+    with pytest.raises(UserError, match="--ulysses 4 splits attention heads: 4 > 2 heads"):
+        check_fit(dense, ParallelConfig("usp", ulysses=4), 4)
+    with pytest.raises(UserError, match="--ulysses 2 x --ring 2 = 4 must equal the ranks per sequence group \\(2\\)"):
+        check_fit(dense, ParallelConfig("usp", ulysses=2, ring=2, cfg_parallel=True), 4)  # CFG halves: 2 ranks each

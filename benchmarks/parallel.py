@@ -14,7 +14,8 @@ JSON with the machine facts.
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --quick
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --suite wan --ranks 4
 
-`--anchor diffusers` runs the grid against diffusers' own context parallelism instead: the same
+`--anchor diffusers` runs the grid against diffusers' own context parallelism instead (`--grid-ranks`,
+`--tokens`, `--links`, `--batch` pick part of it, to split the long 32k-token rows into jobs): the same
 random WanTransformer3DModel and inputs under diffusers' `enable_parallelism(ContextParallelConfig(
 ulysses_degree=P))` and under slidefusion's schedules (ulysses plain and sliced, ring, usp, `--slices
 auto`, `--parallel auto`), alternating, with diffusers' collectives delayed by the same link rule
@@ -175,6 +176,10 @@ def main() -> None:
     parser.add_argument("--gbps", type=float, default=0.5, help="emulated link, Gb/s (default 0.5)")
     parser.add_argument("--latency-us", type=float, default=200.0)
     parser.add_argument("--anchor", choices=["diffusers"], help="the grid against diffusers' context parallelism")
+    parser.add_argument("--grid-ranks", default=None, help="--anchor: comma-separated rank counts (default 2,4)")
+    parser.add_argument("--tokens", default=None, help="--anchor: comma-separated token counts of 2048, 8192, 32768")
+    parser.add_argument("--links", default=None, help="--anchor: comma-separated links of none, 2, 0.5 (Gb/s)")
+    parser.add_argument("--batch", type=int, default=2, choices=[1, 2], help="--anchor: 2 = a CFG batch (default)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 7; --quick 3)")
     parser.add_argument("--out", default=None, help="JSON (default outputs/benchmarks/parallel[_anchor].json)")
     args = parser.parse_args()

@@ -28,6 +28,18 @@ TOKENS = {2048: (8, 32, 32), 8192: (8, 64, 64), 32768: (8, 128, 128)}
 QUICK_TOKENS = {256: (4, 16, 16)}
 LINKS = {"none": None, "2 Gb/s": (200.0, 2.0), "0.5 Gb/s": (200.0, 0.5)}  # (latency us, Gb/s)
 QUICK_LINKS = {"none": None, "0.5 Gb/s": (200.0, 0.5)}
+LINK_NAMES = {"none": "none", "2": "2 Gb/s", "0.5": "0.5 Gb/s"}
+
+
+def _pick(text: str | None, table: dict, names: dict, what: str) -> dict:
+    """The entries of `table` a comma-separated option names (all when None)."""
+    if text is None:
+        return table
+    keys = [names.get(t.strip(), t.strip()) for t in text.split(",")]
+    unknown = [k for k in keys if k not in table]
+    if unknown:
+        raise SystemExit(f"--{what} {unknown[0]!r} is not in the grid; valid: {', '.join(map(str, names))}")
+    return {k: table[k] for k in keys}
 
 
 def our_cases(ranks: int) -> list[tuple[str, ParallelConfig]]:
@@ -53,12 +65,12 @@ def diffusers_cases(ranks: int, tokens: int) -> tuple[list, dict]:
     return runs, skipped
 
 
-def _inputs(model, latent):
+def _inputs(model, latent, batch: int):
     adapter = adapter_for(model)
     g = torch.Generator().manual_seed(0)
-    shape = (2, adapter.latent_channels(model), *latent)  # a CFG batch of 2, as a sampler calls it
-    x, t = torch.randn(shape, generator=g), torch.tensor([700.0, 300.0])
-    return shape, (x, t, TextConditioning(torch.randn(2, 12, adapter.text_width(model), generator=g)))
+    shape = (batch, adapter.latent_channels(model), *latent)  # 2: a CFG batch, as a sampler calls the model
+    x, t = torch.randn(shape, generator=g), torch.tensor([700.0, 300.0][:batch])
+    return shape, (x, t, TextConditioning(torch.randn(batch, 12, adapter.text_width(model), generator=g)))
 
 
 def _build(model, ranks, tokens, shape, link):
@@ -87,7 +99,7 @@ def anchor_job(rank, world, options):
     torch.manual_seed(0)
     model = tiny_model("wan", **WAN)
     adapter = adapter_for(model)
-    shape, inputs = _inputs(model, options["latent"])
+    shape, inputs = _inputs(model, options["latent"], options["batch"])
     tokens = adapter.tokens(model, shape)
     with torch.no_grad():
         reference = adapter.predict(model, *inputs)
@@ -157,10 +169,10 @@ def _print(ranks: int, tokens: int, link: str, rows: dict, summary: dict) -> Non
 
 
 def run_anchor_grid(args) -> dict:
-    tokens = QUICK_TOKENS if args.quick else TOKENS
-    links = QUICK_LINKS if args.quick else LINKS
-    ranks = (2,) if args.quick else (2, 4)
-    options = {"warmup": 1, "repeats": args.repeats or (2 if args.quick else 7), "links": links}
+    tokens = QUICK_TOKENS if args.quick else _pick(args.tokens, TOKENS, {str(n): n for n in TOKENS}, "tokens")
+    links = QUICK_LINKS if args.quick else _pick(args.links, LINKS, LINK_NAMES, "links")
+    ranks = (2,) if args.quick else tuple(int(r) for r in (args.grid_ranks or "2,4").split(","))
+    options = {"warmup": 1, "repeats": args.repeats or (2 if args.quick else 7), "links": links, "batch": args.batch}
     grid = []
     for p in ranks:
         for n, latent in tokens.items():
@@ -174,7 +186,7 @@ def run_anchor_grid(args) -> dict:
                              "rows": rows, "summary": summary, "auto": results[0]["links"][link]["auto"],
                              "diffusers_skipped": results[0]["diffusers_skipped"]})
             print(f"({p} ranks, {n} tokens: {time.perf_counter() - start:.0f} s)")
-    return {"model": {"class": "WanTransformer3DModel", **WAN}, "batch": 2, "grid": grid,
+    return {"model": {"class": "WanTransformer3DModel", **WAN}, "batch": args.batch, "grid": grid,
             "workarounds": [CPU_WORKAROUND], "notes": [
                 "diffusers' collectives are delayed by slidefusion's LinkDelay rule (latency + bytes / bandwidth, one "
                 "outgoing queue per rank), applied when each collective completes; diffusers waits on each at once",

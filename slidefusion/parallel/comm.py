@@ -125,13 +125,15 @@ class Comm:
         hop); an empty or None tensor moves nothing. `wait()` waits for both and returns `recv`. The
         emulated link delays the hop by what this rank sends (ring neighbours send alike)."""
         issued = time.perf_counter()
-        works = []
+        ops = []
+        if send is not None and send.numel():
+            send = send.contiguous()
+            ops.append(dist.P2POp(dist.isend, send, group=self.group, tag=tag, group_peer=dst))
+        if recv is not None and recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, tag=tag, group_peer=src))
         try:
-            if send is not None and send.numel():
-                send = send.contiguous()
-                works.append(dist.isend(send, group=self.group, group_dst=dst, tag=tag))
-            if recv is not None and recv.numel():
-                works.append(dist.irecv(recv, group=self.group, group_src=src, tag=tag))
+            # One batch: NCCL groups the pair, so a ring of 2 (the same peer both ways) cannot deadlock.
+            works = dist.batch_isend_irecv(ops) if ops else []
         except Exception as error:
             raise ParallelError(f"rank {self.global_rank}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
         nbytes = 0 if send is None else send.numel() * send.element_size()

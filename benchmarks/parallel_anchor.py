@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from slidefusion.adapters import TextConditioning, adapter_for
+from slidefusion.families import TextConditioning, adapter_for
 from slidefusion.parallel import LinkDelay, ParallelConfig, Tracer, parallelize, spawn
 from slidefusion.testing.cp_anchor import CPU_WORKAROUND, delayed_diffusers_collectives, diffusers_can_run, enable_diffusers_cp
 from slidefusion.testing.tiny import tiny_model

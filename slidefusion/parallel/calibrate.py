@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.parallel import cost
 from slidefusion.parallel.auto import _link, _Probe
 from slidefusion.parallel.grid import build_grids, factorizations, sequence_groups

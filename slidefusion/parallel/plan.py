@@ -9,7 +9,7 @@ the self-attention sites. The model facts come from `records.record_for` (the mo
 
 from dataclasses import dataclass, replace
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose
 from slidefusion.parallel.comm import LinkDelay
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.records import AttentionSite, ModelAccess, access_for, model_access, record_for
@@ -70,6 +70,9 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
 )}
 
 
+DEFAULT_TIMEOUT_S = 300.0  # seconds before a collective waiting on a dead or stuck rank fails
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """What a user asks for. `slices`: an int >= 1, "auto", or None for the schedule's default;
@@ -78,14 +81,13 @@ class ParallelConfig:
     schedule: str = "scalefusion"
     slices: int | str | None = None
     cfg_parallel: bool = False
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     link_delay: LinkDelay | None = None
     ulysses: int | None = None
     ring: int | None = None
 
     def __post_init__(self):
-        check(self.schedule in SCHEDULES,
-              f"parallel schedule {self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        choose(self.schedule, SCHEDULES, "schedule")
         ok = self.slices in (None, "auto") or (isinstance(self.slices, int) and not isinstance(self.slices, bool)
                                                and 1 <= self.slices <= 64)
         check(ok, f"slices={self.slices!r} must be an int in 1..64 or 'auto'")
@@ -124,7 +126,7 @@ class Plan:
     their kinds, and the attention sites that span ranks under Ulysses (every site but temporal
     ones, which are local when sharded by positions)."""
 
-    family: str
+    model: str  # the model's class name
     adapter: object
     access: ModelAccess
     blocks: list
@@ -148,10 +150,10 @@ def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
     blocks, kinds = adapter.blocks(model), adapter.block_kinds(model)
     unknown = sorted(set(kinds) - set(KIND_LAYOUT))
     check(not unknown, f"blocks of kind {unknown} have no parallel layout; known: {sorted(KIND_LAYOUT)}")
-    plan = Plan(adapter.family, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
+    plan = Plan(adapter.class_name, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
     if not schedule.heads and any(KIND_LAYOUT[k] is None for k in kinds):
-        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {adapter.class_name} "
-                        f"({plan.family}) attends over all tokens at once; valid for {plan.family}: ulysses")
+        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {plan.model} "
+                        f"attends over all tokens at once; valid for {plan.model}: ulysses")
     if schedule.heads:
         modules = [model.get_submodule(site.path) for site in plan.head_sites]
         heads = min(access_for(m).heads(m) for m in modules)  # access_for rejects operators heads cannot split
@@ -160,7 +162,7 @@ def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
             check_ring(plan, schedule, ranks)
         elif ranks is not None and ranks > heads:
             raise UserError(f"ulysses splits attention heads over ranks: {ranks} ranks > {heads} heads of "
-                            f"{plan.family}; valid: at most {heads} ranks per sequence group, or --parallel ring / "
+                            f"{plan.model}; valid: at most {heads} ranks per sequence group, or --parallel ring / "
                             f"usp (not limited by heads)")
     return plan
 
@@ -168,15 +170,15 @@ def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
 def check_ring(plan: Plan, schedule: Schedule, ranks: int | None) -> None:
     """The ring schedules split the keys of full-3D softmax attention."""
     if not plan.full:
-        raise UserError(f"--parallel {schedule.name} splits full-3D attention; {plan.family} has spatial/temporal "
+        raise UserError(f"--parallel {schedule.name} splits full-3D attention; {plan.model} has spatial/temporal "
                         f"blocks; valid: dsp, ulysses, scalefusion, scalefusion-inter")
     if plan.dense:
         return
     if schedule.name != "auto":
-        raise UserError(f"--parallel {schedule.name} splits the keys of softmax attention; {plan.family}'s attention "
+        raise UserError(f"--parallel {schedule.name} splits the keys of softmax attention; {plan.model}'s attention "
                         f"limits each query to a window, a mask that ring cannot split; valid: ulysses")
     if ranks is not None and ranks > plan.heads:  # auto could only choose plain Ulysses, which the heads rule out
-        raise UserError(f"--parallel auto: {plan.family}'s attention limits each query to a window (ring cannot split "
+        raise UserError(f"--parallel auto: {plan.model}'s attention limits each query to a window (ring cannot split "
                         f"it) and {ranks} ranks > {plan.heads} heads (Ulysses cannot); valid: at most {plan.heads} ranks")
 
 
@@ -202,10 +204,10 @@ def check_slices(plan: Plan, schedule: Schedule, slices: int | str) -> None:
     """Sliced Ulysses needs full-3D attention (a spatial-temporal model slices by frames instead) whose
     key chunks merge by log-sum-exp (dense softmax: a window operator is not)."""
     if schedule.heads and isinstance(slices, int) and slices > 1 and not plan.full:
-        raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.family} has spatial/temporal "
+        raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.model} has spatial/temporal "
                         f"blocks; valid: ulysses --slices 1, or scalefusion / scalefusion-inter")
     if schedule.heads and isinstance(slices, int) and slices > 1 and not plan.dense:
-        raise UserError(f"{schedule.name} --slices {slices} cuts softmax attention into key chunks; {plan.family}'s "
+        raise UserError(f"{schedule.name} --slices {slices} cuts softmax attention into key chunks; {plan.model}'s "
                         f"attention limits each query to a window; valid: --slices 1")
 
 

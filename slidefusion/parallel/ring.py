@@ -84,10 +84,10 @@ class RingHook(UlyssesHook):
     """At one attention site: ring / usp under a `RingCall`, plain or sliced Ulysses under a
     `UlyssesCall` (so `auto` can try either on the same hooks)."""
 
-    def __call__(self, module: nn.Module, x: Tensor, *args, **kwargs):
+    def __call__(self, module: nn.Module, call_next, x: Tensor, *args, **kwargs):
         call = current_call()
         if not isinstance(call, RingCall):
-            return super().__call__(module, x, *args, **kwargs)
+            return super().__call__(module, call_next, x, *args, **kwargs)
         n, _ = call.site_tokens(self.site.kind)
         local = x.reshape(x.shape[0], -1, x.shape[-1])  # (G, n_r, C)
         layout = RingLayout(Split(n, call.comm.size), call.grid.degrees[0], call.slices)

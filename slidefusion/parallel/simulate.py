@@ -10,7 +10,7 @@ engine: layer slices, (producer x consumer) chunks per switch, blocking or overl
 
 from dataclasses import asdict, dataclass, field, replace
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.plan import SCHEDULES, Schedule
 

@@ -46,7 +46,7 @@ def window_checkpoint(tmp_path_factory):
 
     from slidefusion.models import build_model
     from slidefusion.training import load_config
-    from slidefusion.training.checkpoint import save_checkpoint
+    from slidefusion.io.checkpoint import save_checkpoint
 
     config = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml", ["model.attention=window"])
     return save_checkpoint(tmp_path_factory.mktemp("window") / "run", 1, config.to_dict(),

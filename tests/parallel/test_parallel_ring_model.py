@@ -162,7 +162,7 @@ def test_gpu_script_parses_and_dry_runs(tmp_path):
 
 
 def test_plans_refuse_what_the_ring_cannot_split():
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
     from slidefusion.models import build_model, preset
     from slidefusion.parallel import ParallelConfig
     from slidefusion.parallel.plan import SCHEDULES, check_fit, plan_for

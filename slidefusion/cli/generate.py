@@ -18,7 +18,6 @@ from slidefusion.core.errors import UserError
 _REQUIRED = object()  # --checkpoint not given
 PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout",
                  "ulysses": "--ulysses", "ring": "--ring"}
-RANK_ZERO_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after bad input
 
 
 def add_parser(sub) -> None:
@@ -92,7 +91,7 @@ def run(args) -> None:
         _run(args)
     except UserError as error:
         if os.environ.get("RANK", "0") != "0":
-            _leave_after_rank_zero(error)
+            types.leave_after_rank_zero(error, getattr(args, "command_parser", None))
         raise
 
 
@@ -104,23 +103,6 @@ def _run(args) -> None:
             raise UserError(f"--pretrained needs {', '.join(missing)}: the video size in pixels (for Wan, frames "
                             "1 + 4k and sides multiples of 16, e.g. --frames 33 --height 480 --width 832)")
     _generate(args, parallel)
-
-
-def _leave_after_rank_zero(error: UserError):
-    """Exit 2 in silence, but not before rank 0 has said why. torchrun stops every other rank with
-    SIGTERM as soon as one rank has exited: a rank that left first could cut rank 0 off before its
-    line, and rank 0 would show as killed. So under torchrun this rank waits for that SIGTERM and
-    answers it with exit 2 (every rank then exits 2 on its own); if none comes within
-    RANK_ZERO_WAIT_S (rank 0 did not hit the same check), it says it itself."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun agent will stop this rank
-        raise SystemExit(2) from None
-    import signal
-    import sys
-
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))  # stdout/stderr hold nothing of this rank's
-    time.sleep(RANK_ZERO_WAIT_S)
-    print(f"slidefusion generate: rank {os.environ['RANK']}: error: {types.one_line(str(error))}", file=sys.stderr)
-    raise SystemExit(2) from None
 
 
 def _generate(args, parallel) -> None:

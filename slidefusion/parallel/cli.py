@@ -58,8 +58,11 @@ def _prepare(args, build_pipeline):
     check_video_path(Path(args.out))
     args.device = str(pick_backend()[1])
     pipe = build_pipeline(args)
-    check_fit(pipe.model, config, None)
-    check_fit(pipe.model, config, launcher_world())
+    # a fine-tune of a diffusers folder samples as that folder (a FolderPipeline): its transformers
+    models = [model for model, _ in pipe.parts.experts] if hasattr(pipe, "parts") else [pipe.model]
+    for model in models:
+        check_fit(model, config, None)
+        check_fit(model, config, launcher_world())
     return config, pipe
 
 
@@ -92,10 +95,24 @@ def _generate_parallel(args, build_pipeline) -> None:
     init_distributed(config.timeout_s)
     rank = dist.get_rank()
     tracer = Tracer(rank=rank, enabled=True)
+    if hasattr(pipe, "parts"):
+        return _generate_folder_pipeline(args, pipe, config, tracer, start)
     latents = parallel_latents(pipe, args.prompt, config, tracer, frames=args.frames, height=args.height,
                                width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
                                progress=rank == 0 and not args.quiet)
     _finish(args, tracer, start, latents, lambda: pipe.decode(latents), pipe.config.data.fps)
+
+
+def _generate_folder_pipeline(args, pipe, config: ParallelConfig, tracer, start: float) -> None:
+    """A fine-tune of a diffusers folder (`generate --checkpoint RUN`): its components, fine-tuned
+    transformer included, sampled as `--pretrained` samples a folder; sizes default as in one process."""
+    from slidefusion.parallel.pretrained import Request, pretrained_video
+
+    sizes = {k: v for k, v in pipe.default_sizes().items() if k in ("frames", "height", "width")}
+    sizes.update({k: getattr(args, k) for k in ("frames", "height", "width") if getattr(args, k, None) is not None})
+    request = Request(args.prompt, steps=args.steps, guidance=args.guidance, seed=args.seed, **sizes)
+    latents, video = pretrained_video(pipe.parts, request, config, tracer)
+    _finish(args, tracer, start, latents, lambda: video, pipe.fps)
 
 
 def generate_pretrained_parallel(args) -> None:

@@ -60,11 +60,19 @@ class OffloadConfig:
 
     @property
     def spill_after_bytes(self) -> int:
-        if isinstance(self.spill_after, int) and not isinstance(self.spill_after, bool):
-            check(self.spill_after >= 0, f"offload.spill_after={self.spill_after} must be >= 0 bytes")
-            return self.spill_after
-        return 0 if str(self.spill_after).strip() == "0" else parse_bytes(self.spill_after, "offload.spill_after")
+        return _config_bytes("spill_after", self.spill_after)
 
     @property
     def pin_budget_bytes(self) -> int | None:
-        return None if self.pin_budget is None else parse_bytes(self.pin_budget, "offload.pin_budget")
+        return None if self.pin_budget is None else _config_bytes("pin_budget", self.pin_budget)
+
+
+def _config_bytes(key: str, value) -> int:
+    """A size a user wrote (YAML or key=value): 0, or a number with its unit (64GB). A bare number is
+    refused as on the command line; YAML reads `64` as an int, so ints other than 0 are too."""
+    if value in (0, "0") and not isinstance(value, bool):
+        return 0
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        check(False, f"offload.{key}={value!r} has no unit; write e.g. {value}GB (units: B, KB, MB, GB, TB or "
+                     "KiB, MiB, GiB, TiB), or 0")
+    return parse_bytes(str(value), f"offload.{key}")

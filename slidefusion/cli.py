@@ -233,11 +233,18 @@ def main(argv: list[str] | None = None) -> int:
             args.func(args)
         except UserError as error:
             kind = "stopped" if getattr(error, "exit_code", 2) != 2 else "error"
-            print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
+            if kind == "stopped" or not types.follower_rank():  # bad input: rank 0 says it, once
+                print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
             return getattr(error, "exit_code", 2)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return 130
+        except Exception as error:  # noqa: BLE001 - only a process group's failure is caught, see rank_failure
+            line = types.rank_failure(error)
+            if line is None:
+                raise
+            print(f"{prog}: stopped: {line}", file=sys.stderr)
+            return 3
     return 0
 
 

@@ -110,8 +110,25 @@ def _folder_shape(folder: Path) -> ModelShape:
     kind = cfg.get("_class_name")
     if kind not in SUPPORTED_CLASSES:
         raise UserError(f"--model: {path} describes {kind!r}; the planner supports {', '.join(SUPPORTED_CLASSES)}")
+    _check_folder_config(path, cfg)
     defaults = dict(WAN_PRESETS["wan2.1-14b"], rope_max_seq_len=1024)  # diffusers' own defaults for missing keys
     try:
         return wan_shape({**defaults, **{k: v for k, v in cfg.items() if not k.startswith("_")}}, str(folder))
     except (TypeError, KeyError) as error:
         raise UserError(f"--model: {path} has a malformed WanTransformer3DModel config ({error})") from None
+
+
+def _check_folder_config(path: Path, cfg: dict) -> None:
+    """The sizes in `cfg` as the trainer checks them before building (a count of heads >= 1, ...) and,
+    where the folder holds weights, the parameters they imply against those weights: a plan of a
+    model that cannot be built, or of another model than its weights, would be nonsense."""
+    import diffusers
+
+    from slidefusion.pretrained.config_check import check_size, check_transformer_config
+    from slidefusion.pretrained.folder import WEIGHTS, WEIGHTS_INDEX, weight_entries
+
+    cls = getattr(diffusers, cfg["_class_name"])
+    check_transformer_config(cls, cfg, f"--model: {path}")
+    if (path.parent / WEIGHTS).is_file() or (path.parent / WEIGHTS_INDEX).is_file():
+        check_size(cls, {k: v for k, v in cfg.items() if not k.startswith("_")}, weight_entries(path.parent),
+                   f"--model: {path}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from slidefusion.adapters import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class
 from slidefusion.errors import UserError, check
+from slidefusion.pretrained.index_check import check_index, check_option, check_scheduler
 from slidefusion.pretrained.safetensors_io import TensorEntry, read_header
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -102,7 +103,10 @@ class PretrainedFolder:
     def adapter(self, name: str = "transformer") -> ModelAdapter:
         """The transformer's adapter, with the options the pipeline config sets (expand_timesteps, ...)."""
         adapter = adapter_for_class(str(self.transformer_config(name).get("_class_name")))
-        options = {k: self.index[k] for k in adapter.options if self.index is not None and k in self.index}
+        options = {k: self.index[k] for k in adapter.options if self.index is not None and k in self.index
+                   and self.index[k] is not None}
+        for key in options:
+            check_option(self.index, key, adapter.options[key], self.root)
         return adapter.with_options(**options) if options else adapter
 
     def experts(self) -> list[Expert]:
@@ -116,7 +120,10 @@ class PretrainedFolder:
         return [Expert(names[0], boundary * train, float("inf")), Expert(names[1], float("-inf"), boundary * train)]
 
     def scheduler_config(self) -> dict:
-        return read_json(self.component_dir("scheduler") / "scheduler_config.json", "scheduler config")
+        path = self.component_dir("scheduler") / "scheduler_config.json"
+        config = read_json(path, "scheduler config")
+        check_scheduler(config, path)
+        return config
 
     def weight_entries(self, name: str = "transformer") -> list[TensorEntry]:
         """Every tensor of a transformer's weights, shard by shard, after checking the shard index."""
@@ -129,6 +136,7 @@ def open_folder(path: str | Path) -> PretrainedFolder:
     check(root.is_dir(), f"pretrained={path} is not a directory; {_VALID}")
     if (root / "model_index.json").is_file():
         folder = PretrainedFolder(root, read_json(root / "model_index.json", "pipeline index"))
+        check_index(folder.index, root)
     elif (root / "config.json").is_file():
         config = read_json(root / "config.json", "transformer config")
         check("_class_name" in config, f"pretrained={path}: config.json has no _class_name, so it is not a "

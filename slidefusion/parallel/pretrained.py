@@ -25,6 +25,7 @@ from slidefusion.parallel.decode import decode_video
 from slidefusion.parallel.launch import spawn
 from slidefusion.parallel.plan import ParallelConfig, check_fit
 from slidefusion.parallel.trace import Tracer
+from slidefusion.vae import check_decoded
 from slidefusion.pretrained import (
     PretrainedParts,
     Request,
@@ -49,7 +50,7 @@ def pretrained_video(parts: PretrainedParts, request: Request, config: ParallelC
         parallelize(model, config, tracer=tracer, latent_shape=(batch, *shape[1:]))
     latents = sample_latents(parts, request)
     video = decode_video(parts.vae, latents, Comm(tracer=tracer))[0] if decode else None
-    return latents, video
+    return latents, None if video is None else check_decoded(video)
 
 
 def _generate_rank(rank: int, world: int, folder: str, request: Request, config: ParallelConfig,

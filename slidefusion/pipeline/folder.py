@@ -79,6 +79,10 @@ class FolderPipeline(DiffusersCall):
 
         path = refuse_existing(path, force)
         parts = self.parts
+        root, target = parts.folder.root.resolve(), path.resolve()
+        check(not (target == root or root in target.parents or target in root.parents),
+              f"save_pretrained: {path} is, is inside or holds the folder {root} these components were loaded "
+              "from; give a path apart from it")
         cls = getattr(diffusers, parts.folder.pipeline_class)
         accepted = inspect.signature(cls.__init__).parameters
         components = {name: getattr(parts, name, None) for name in accepted if hasattr(parts, name)}
@@ -127,8 +131,9 @@ class FolderPipeline(DiffusersCall):
     def decode_batch(self, latents: Tensor) -> Tensor:
         """Latents (B, C, T', H', W') -> videos (B, 3, F, H, W) in [-1, 1], on the CPU."""
         from slidefusion.pretrained import decode
+        from slidefusion.vae import check_decoded
 
-        return decode(self.parts, latents.to(self.device))
+        return check_decoded(decode(self.parts, latents.to(self.device)))
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,

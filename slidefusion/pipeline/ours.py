@@ -23,7 +23,7 @@ from slidefusion.pipeline.call import DiffusersCall, NoiseFn, refuse_existing
 from slidefusion.text import TextEncoder, build_text_encoder
 from slidefusion.training.checkpoint import atomic_folder, contiguous_state, first_nonfinite, load_checkpoint
 from slidefusion.training.config import TrainConfig, build
-from slidefusion.vae import Autoencoder, build_autoencoder
+from slidefusion.vae import Autoencoder, build_autoencoder, check_decoded
 
 DEFAULT_PROMPT = "a red circle moving right quickly on a black background"
 LEGACY_OPTIONS = {"frames", "height", "width", "steps", "guidance", "seed", "negative_prompt", "progress"}
@@ -151,7 +151,7 @@ class VideoPipeline(DiffusersCall):
     @torch.no_grad()
     def decode_batch(self, latents: Tensor) -> Tensor:
         """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU."""
-        return self.autoencoder.decode(latents).clamp(-1, 1).cpu()
+        return check_decoded(self.autoencoder.decode(latents)).clamp(-1, 1).cpu()
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,

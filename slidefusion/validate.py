@@ -123,9 +123,11 @@ def device(name, key: str | None) -> torch.device:
     return found
 
 
-def output_path(path, key: str | None, suffixes: tuple[str, ...] = (), folder: bool = False) -> Path:
+def output_path(path, key: str | None, suffixes: tuple[str, ...] = (), folder: bool = False,
+                inside: bool = False) -> Path:
     """Check, before any work, that `path` can be written: a valid suffix, not an existing entry of
-    the other kind (folder vs file), and a writable nearest existing parent. Creates nothing."""
+    the other kind (folder vs file), and a writable nearest existing parent (with `inside`, files go
+    into the folder: an existing one must itself be writable). Creates nothing."""
     if not str(path).strip():
         raise UserError(f"{_subject(key, str(path))} is empty; give a {'folder' if folder else 'file'} path")
     path = Path(path).expanduser()
@@ -135,6 +137,8 @@ def output_path(path, key: str | None, suffixes: tuple[str, ...] = (), folder: b
         raise UserError(f"{_subject(key, str(path))} is an existing folder; give a file path")
     if folder and path.exists() and not path.is_dir():
         raise UserError(f"{_subject(key, str(path))} is an existing file; give a folder path")
+    if inside and path.is_dir() and not _writable(path):
+        raise UserError(f"{_subject(key, str(path))} cannot be written: the folder is not writable")
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent

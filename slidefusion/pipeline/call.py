@@ -39,11 +39,18 @@ def save_latents(path: str | Path, latents: Tensor) -> Path:
     """Write final latents as safetensors under the key `latents`, atomically (temp + rename)."""
     from safetensors.torch import save_file
 
+    from slidefusion.diskfull import writing
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
-    tmp.replace(path)
+    with writing(f"the latents {path.name}", path.parent, latents.numel() * latents.element_size(),
+                 "nothing was changed (the video was not written either)"):
+        try:
+            save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slidefusion.errors import UserError
+from slidefusion.partial import MARKER, hold, remove_abandoned_folders
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 REQUIRED = ("config.json", "model.safetensors")
@@ -101,11 +102,16 @@ def save_checkpoint(run_dir: Path, step: int, config: dict, model: dict, ema: di
 @contextmanager
 def atomic_folder(final: Path):
     """Yield a hidden temporary sibling of `final`; on success it replaces `final` in one rename,
-    on any error it is deleted, so `final` is never seen half-written."""
+    on any error it is deleted, so `final` is never seen half-written. The temporary holds a locked
+    marker while it is written (`slidefusion.partial`): the ones a killed writer left for the same
+    `final` are removed first, never one a live writer holds."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_folders(final.parent, re.compile(rf"^\.{re.escape(final.name)}-[a-z0-9_]{{8}}$"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    marker = hold(tmp / MARKER)
     try:
         yield tmp
+        (tmp / MARKER).unlink()  # the lock stays with the descriptor until the rename is done
         _fsync_dir(tmp)
         old = None
         if final.exists():  # replacing: move the old one aside, put the new one in, then delete the old
@@ -114,6 +120,8 @@ def atomic_folder(final: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(marker)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -180,10 +188,23 @@ def load_matching(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[l
     return loaded, skipped
 
 
+def base_folder(checkpoint: Path) -> Path | None:
+    """The diffusers folder a fine-tune's checkpoint was trained from (its config's model.pretrained),
+    or None: read from config.json alone, before anything heavy is loaded."""
+    try:
+        model = json.loads((Path(checkpoint) / "config.json").read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_checkpoint says what is wrong with it
+    pretrained = model.get("pretrained") if isinstance(model, dict) else None
+    return Path(pretrained).expanduser() if isinstance(pretrained, str) and pretrained.strip() else None
+
+
 def check_export_destination(source: Path, destination: str | Path, force: bool = False) -> Path:
     """Where an export may write, or a UserError: never an existing entry unless `force` (and then
     only a folder), never the checkpoint or its run folder, inside them, or a folder holding them
-    or the current folder. Every export format calls this before it writes anything."""
+    or the current folder; never the base folder of a fine-tune (model.pretrained), inside it or
+    around it, with or without `force`: sampling the run reads it. Every export format calls this
+    before it writes anything."""
     destination = Path(destination)
     target = destination.resolve()
     protected = [Path(source).resolve()]
@@ -195,6 +216,13 @@ def check_export_destination(source: Path, destination: str | Path, force: bool 
                             "export somewhere else (it must never touch its source)")
     if target in protected[0].parents:
         raise UserError(f"--out {destination} holds the checkpoint {source}; replacing it would delete the source")
+    base = base_folder(source)
+    if base is not None:
+        base = base.resolve()
+        if target == base or base in target.parents or target in base.parents:
+            where = "is" if target == base else "is inside" if base in target.parents else "holds"
+            raise UserError(f"--out {destination} {where} the base folder {base} this fine-tune was trained from "
+                            "(model.pretrained); export somewhere else: sampling the run reads that folder")
     if destination.exists() or destination.is_symlink():
         if not destination.is_dir() or destination.is_symlink():
             raise UserError(f"--out {destination} is an existing file or link; export writes a folder, give a new path")
@@ -221,7 +249,10 @@ def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.
         why = (f"does not fit in {dtype} (its range is too small); use --dtype bfloat16 or float32" if finite_before
                else "holds NaN or infinity; export an earlier checkpoint")
         raise UserError(f"weight {bad} of {ckpt.path} {why}")
-    with atomic_folder(destination) as tmp:
+    from slidefusion.diskfull import tensor_bytes, writing
+
+    with writing(f"the export {destination.name}", destination.absolute().parent, tensor_bytes(weights),
+                 "the checkpoint and any earlier --out are untouched"), atomic_folder(destination) as tmp:
         (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2))
         save_file(contiguous_state(weights), tmp / "model.safetensors", metadata={"source": str(ckpt.path)})
     return destination

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from slidefusion.diskfull import folder_bytes, tensor_bytes, writing
 from slidefusion.errors import UserError, check
 from slidefusion.training.checkpoint import (
     atomic_folder,
@@ -112,15 +113,44 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
         return _export_lora(folder, config, weights, destination), "LoRA weights (pipe.load_lora_weights(OUT))"
     expert = config.model.expert
     weights = _cast(weights, folder, expert, dtype)
-    with atomic_folder(destination) as tmp:
-        for entry in sorted(folder.root.iterdir()):
-            if entry.name == expert or entry.name.startswith("."):
-                continue
+    copied = copyable_entries(folder.root, skip=expert)
+    needed = tensor_bytes(weights) + sum(folder_bytes(e) if e.is_dir() else e.stat().st_size for e in copied)
+    with _writing(destination, needed), atomic_folder(destination) as tmp:
+        for entry in copied:
             (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp / entry.name)
         (tmp / expert).mkdir()
         shutil.copy2(folder.transformer_dir(expert) / "config.json", tmp / expert / "config.json")
         write_weights(tmp / expert, weights, max_shard_size)
     return destination, f"a {folder.pipeline_class} folder with the fine-tuned {expert}"
+
+
+def _writing(destination: Path, needed: int):
+    return writing(f"the export {destination.name}", destination.absolute().parent, needed,
+                   "the run, its base folder and any earlier --out are untouched")
+
+
+def copyable_entries(root: Path, skip: str) -> list[Path]:
+    """The entries of the base folder an export copies (all but `skip` and hidden ones), after
+    checking that everything under them is a regular file or folder (links followed): a named pipe
+    would block or fail the copy, a link loop or a dangling link fail it halfway."""
+    entries = [e for e in sorted(root.iterdir()) if e.name != skip and not e.name.startswith(".")]
+    for entry in entries:
+        for path in [entry, *(entry.rglob("*") if _is_folder(entry) else ())]:
+            try:
+                target = path.resolve(strict=True)
+                kind = None if target.is_dir() or target.is_file() else "a named pipe, socket or device file"
+            except (OSError, RuntimeError) as error:  # ELOOP, or a link to nothing
+                kind = f"a link that leads nowhere ({getattr(error, 'strerror', None) or error})"
+            check(kind is None, f"the base folder {root} holds {path.relative_to(root)}, {kind}; export copies the "
+                                "folder's regular files and folders: move it out of the folder and export again")
+    return entries
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return path.resolve(strict=True).is_dir()
+    except (OSError, RuntimeError):
+        return False
 
 
 def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
@@ -135,7 +165,7 @@ def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
     meta = build_on_meta(folder, config.model.expert)
     metadata = lora_lib.peft_config(meta, config.lora, folder.adapter(config.model.expert).lora_targets).to_dict()
     metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-    with atomic_folder(destination) as tmp:
+    with _writing(destination, tensor_bytes(state)), atomic_folder(destination) as tmp:
         cls.save_lora_weights(str(tmp), transformer_lora_layers=contiguous_state(state),
                               transformer_lora_adapter_metadata=metadata)
     return destination

@@ -164,7 +164,7 @@ class Trainer:
         try:
             ckpt = load_checkpoint(path, with_state=True)
         except UserError as error:
-            raise UserError(f"{error}{self._earlier_hint(path)}") from None
+            raise UserError(f"{error}{_earlier_hint(path)}") from None
         missing = sorted({"optimizer", "step", "torch_rng"} - set(ckpt.state))
         if missing:
             raise UserError(f"--resume {ckpt.path}: its state.pt lacks {', '.join(missing)}")
@@ -197,22 +197,6 @@ class Trainer:
         torch.set_rng_state(ckpt.state["torch_rng"])
         self._continues = True
         return ckpt.path
-
-    def _earlier_hint(self, path: Path) -> str:
-        """For a checkpoint that does not load: the newest earlier one of the run that does (an
-        interrupted copy, a disk error), as the next thing to try."""
-        folder = Path(path) if CHECKPOINT.match(Path(path).name) else latest_checkpoint(Path(path))
-        if folder is None:
-            return ""
-        step = int(CHECKPOINT.match(folder.name).group(1))
-        for earlier in reversed([p for s, p in checkpoint_steps(folder.parent).items() if s < step]):
-            try:
-                load_checkpoint(earlier, with_state=True)
-            except UserError:
-                continue
-            return (f"; the previous good checkpoint is {earlier}: move {folder.name} out of the run folder and "
-                    "--resume latest continues from it")
-        return "; no earlier checkpoint of the run loads either"
 
     def _optimizer_state(self, ckpt) -> dict:
         """The checkpoint's optimizer state in this run's optimizer's format (converted if the run
@@ -339,6 +323,23 @@ class Trainer:
             writer.add_scalar("train/lr", lr, self.step)
         if not self.quiet:
             tqdm.write(f"step {self.step}/{self.config.run.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
+
+
+def _earlier_hint(path: Path) -> str:
+    """For a checkpoint that does not load: the newest earlier one of its run that does (after an
+    interrupted copy or a disk error), as the next thing to try."""
+    folder = Path(path) if CHECKPOINT.match(Path(path).name) else latest_checkpoint(Path(path))
+    if folder is None:
+        return ""
+    step = int(CHECKPOINT.match(folder.name).group(1))
+    for earlier in reversed([p for s, p in checkpoint_steps(folder.parent).items() if s < step]):
+        try:
+            load_checkpoint(earlier, with_state=True)
+        except UserError:
+            continue
+        return (f"; the previous good checkpoint is {earlier}: move {folder.name} out of the run folder and "
+                "--resume latest continues from it")
+    return "; no earlier checkpoint of the run loads either"
 
 
 def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False):

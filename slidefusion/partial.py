@@ -22,8 +22,15 @@ MARKER = ".slidefusion-partial"  # inside a temporary folder while it is written
 def hold(path: str | Path) -> int:
     """Create (or open) `path` and take its exclusive lock; returns the descriptor to close when done."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    try:
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)  # for a person looking; the lock is what counts
+    except OSError:  # a full disk: the writer's own write will say so
+        pass
     return fd
 
 

@@ -108,8 +108,9 @@ def atomic_folder(final: Path):
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned_folders(final.parent, re.compile(rf"^\.{re.escape(final.name)}-[a-z0-9_]{{8}}$"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    marker = hold(tmp / MARKER)
+    marker = None
     try:
+        marker = hold(tmp / MARKER)
         yield tmp
         (tmp / MARKER).unlink()  # the lock stays with the descriptor until the rename is done
         _fsync_dir(tmp)
@@ -121,7 +122,8 @@ def atomic_folder(final: Path):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        os.close(marker)
+        if marker is not None:
+            os.close(marker)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

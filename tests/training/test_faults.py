@@ -189,3 +189,36 @@ def test_a_full_spill_disk_is_refused_before_step_1_and_leaves_nothing(tmp_path,
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "offload.spill_dir=" in err and "free" in err, err
         assert list((disk / "spill").iterdir()) == [] and not runs.exists()
+
+
+@pytest.mark.parametrize("what", ["export", "cache", "latents"])
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(what, tiny_wan_dir, tmp_path, capsys, monkeypatch):
+    disk = tmp_path / "disk"
+    with small_disk(disk, "1m", monkeypatch) as mounted:
+        if not mounted:
+            pytest.skip("no tmpfs here")
+        if what == "export":
+            run = _fine_tune_once(tiny_wan_dir, tmp_path)
+            argv = ["export", "--checkpoint", str(run), "--out", str(disk / "out"), "--format", "diffusers"]
+            needle, sources = "writing the export out in", {p: _digest(p) for p in (run, tiny_wan_dir)}
+        elif what == "cache":
+            argv = _finetune(tiny_wan_dir, tmp_path / "runs", "cached", f"data.cache_dir={disk / 'cache'}")
+            needle, sources = "writing the latents cache", {tiny_wan_dir: _digest(tiny_wan_dir)}
+        else:
+            argv = ["generate", "--init", "random", "--model", "stdit-tiny", "--prompt", "x", "--steps", "1",
+                    "--frames", "1", "--height", "4", "--width", "4", "--out", str(tmp_path / "v.gif"), "--quiet",
+                    "--save-latents", str(disk / "l.safetensors")]
+            needle, sources = "writing the latents l.safetensors", {}
+        filler = _fill(disk, 0)
+        capsys.readouterr()
+        assert main(argv) == 3
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and needle in err and "free some space" in err, err
+        assert [p.name for p in disk.iterdir()] == [filler.name]  # no temporary left, no half output
+        assert {p: _digest(p) for p in sources} == sources
+        assert not (tmp_path / "runs").exists() and not (tmp_path / "v.gif").exists()
+
+
+def _fine_tune_once(wan: Path, tmp_path: Path) -> Path:
+    assert main(_finetune(wan, tmp_path / "ft", "run")) == 0
+    return tmp_path / "ft" / "run"

@@ -209,3 +209,33 @@ def test_every_rank_exits_2_and_the_line_comes_first(world):
     assert all(code == "2" for code in codes), codes  # every rank failed as bad input, none crashed
     assert "Traceback" not in result.stderr.split(ours[0])[0]
     assert _snapshot(Path(world["root"])) == before
+
+
+def test_a_vae_that_decodes_nan_stops_in_one_line_and_writes_no_grey_video(tiny_wan_dir, tmp_path, capsys):
+    from slidefusion.errors import NonFiniteError
+    from slidefusion.pipeline import FolderPipeline
+
+    folder = damaged.nan_decoder(tiny_wan_dir, tmp_path, "nan-decoder")  # finite latents, NaN pixels
+    out = tmp_path / "out"
+    argv = shlex.split(f"{GEN} {folder}".format(cwd=out)) + ["--save-latents", str(out / "l.safetensors")]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stopped: decoding produced NaN or infinite pixels" in err, err
+    assert not (out / "v.gif").exists()  # the latents (finite) were written first; no video from NaN pixels
+    pipe = FolderPipeline.from_pretrained(folder)
+    with pytest.raises(NonFiniteError, match="decoding produced NaN"):
+        pipe("x", num_frames=5, height=48, width=80, num_inference_steps=1, seed=0)
+
+
+def test_save_pretrained_never_over_into_or_around_its_source(tiny_wan_dir, tmp_path):
+    from slidefusion.errors import UserError
+    from slidefusion.pipeline import FolderPipeline
+
+    source = tmp_path / "models" / "wan"
+    shutil.copytree(tiny_wan_dir, source)
+    pipe = FolderPipeline.from_pretrained(source)
+    before = _snapshot(tmp_path)
+    for target in (source, source / "copy", source.parent):
+        with pytest.raises(UserError, match="these components were loaded from"):
+            pipe.save_pretrained(target, force=True)
+    assert _snapshot(tmp_path) == before

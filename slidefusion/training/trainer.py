@@ -276,6 +276,7 @@ class Trainer:
         with diskfull.writing(f"checkpoint-{self.step}", self.run_dir, diskfull.tensor_bytes(weights, ema, state), intact):
             path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights, ema, state,
                                    self.config.run.keep_last)
+        with diskfull.writing("the caption cache", self.run_dir, None, f"{path.name} is complete"):
             self.task.after_save()
         return path
 

@@ -206,7 +206,9 @@ def test_every_rank_exits_2_and_the_line_comes_first(world):
     first = next(line for line in result.stderr.splitlines() if line.strip() and not line.startswith(("W", "*")))
     assert first == ours[0], result.stderr[-3000:]  # before anything torchrun adds
     codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if line.strip().startswith("exitcode")]
-    assert all(code == "2" for code in codes), codes  # every rank failed as bad input, none crashed
+    # every rank failed as bad input, none crashed; torchrun may stop (SIGTERM, -15) a rank still
+    # exiting once another has left: the launcher's wait for rank 0 (parallel/cli.py) removes that race
+    assert codes and all(code in ("2", "-15") for code in codes) and "2" in codes, codes
     assert "Traceback" not in result.stderr.split(ours[0])[0]
     assert _snapshot(Path(world["root"])) == before
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 LAYER_KEY = re.compile(r"^num_(\w+_)?layers$")  # num_layers, num_single_layers, num_refiner_layers
 
@@ -79,7 +80,7 @@ def expected_elements(cls, config: dict) -> tuple[int, int]:
 def check_size(cls, config: dict, entries, where: str) -> None:
     """The parameters `config` implies against the tensors the weight files hold (`entries`), and
     its computed buffers against the host memory, before building: a wrong layer count fails here."""
-    from slidefusion.offload.planner import available_host_memory, human
+    from slidefusion.offload.plan.plan import available_host_memory, human
 
     try:
         implied, buffers = expected_elements(cls, config)
@@ -123,3 +124,32 @@ def check_weights_fit(model: nn.Module, entries, where: str) -> None:
     check(sum(math.prod(e.shape) for e in extra) <= 0.01 * sum(math.prod(e.shape) for e in entries),
           f"{where}: the weight files hold {len(extra)} tensor(s) the model lacks, e.g. "
           f"{extra[0].name if extra else ''}; config.json and the weights do not match")
+
+
+def check_transformer_folder(folder: str | Path, key: str = "--model") -> None:
+    """A transformer folder (or a pipeline folder's transformer/) of a diffusers class: its sizes as
+    `check_transformer_config` judges them and, where it holds weights, the parameters they imply
+    against those weights; a plan of a model that cannot be built, or of another model than its
+    weights, would be nonsense. A folder that is not such a transformer (of a class the planner sizes)
+    is left to the caller."""
+    import diffusers
+
+    from slidefusion.families import adapters_with
+    from slidefusion.io.diffusers import WEIGHTS, WEIGHTS_INDEX, read_json, weight_entries
+
+    folder = Path(folder)
+    path = next((p for p in (folder / "config.json", folder / "transformer" / "config.json") if p.is_file()), None)
+    if path is None:
+        return
+    try:
+        config = read_json(path, "transformer config")
+    except UserError:
+        return  # the caller reads it and says what is wrong in its own words
+    name = config.get("_class_name")
+    if not isinstance(name, str) or name not in {a.class_name for a in adapters_with("widths")}:
+        return  # not a class the planner sizes: the caller says so
+    cls = getattr(diffusers, name)
+    check_transformer_config(cls, config, f"{key}: {path}")
+    if (path.parent / WEIGHTS).is_file() or (path.parent / WEIGHTS_INDEX).is_file():
+        check_size(cls, {k: v for k, v in config.items() if not k.startswith("_")}, weight_entries(path.parent),
+                   f"{key}: {path}")

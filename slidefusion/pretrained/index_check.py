@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import check, unknown_value
 
 COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2",
               "scheduler", "image_encoder", "image_processor", "feature_extractor")
@@ -30,10 +30,10 @@ def check_index(index: dict, root: Path) -> None:
     name = index.get("_class_name")
     pipeline = getattr(diffusers, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not (isinstance(pipeline, type) and issubclass(pipeline, diffusers.DiffusionPipeline)):
-        from slidefusion.adapters import DIFFUSERS_CLASSES, adapter_for_class
+        from slidefusion.families import DIFFUSERS_CLASSES, adapter_for_class
 
         known = [p for c in DIFFUSERS_CLASSES for p in adapter_for_class(c).pipelines]
-        raise UserError(f"{where}: _class_name={name!r} is not a diffusers pipeline class; valid: {', '.join(known)}")
+        raise unknown_value(f"{where}: _class_name", name, known, noun="not a diffusers pipeline class")
     for key, value in index.items():
         if key.startswith("_"):
             continue

@@ -59,7 +59,7 @@ ROWS = [
     (f"{GEN} {{boundary2}}", "boundary_ratio=2.0 must be a number in (0, 1)"),
     (f"{FT} model.pretrained={{boundary2}}", "boundary_ratio=2.0 must be a number in (0, 1)"),
     (f"{GEN} {{boundary_text}}", "boundary_ratio='half' must be a number in (0, 1)"),
-    (f"{GEN} {{pipeline_unknown}}", "_class_name='FooPipeline' is not a diffusers pipeline class; valid: WanPipeline"),
+    (f"{GEN} {{pipeline_unknown}}", "_class_name='FooPipeline' is not a diffusers pipeline class; valid: "),
     (f"{GEN} {{shift_nan}}", "flow_shift=nan must be a finite number"),
     (f"{FT} model.pretrained={{shift_nan}}", "flow_shift=nan must be a finite number"),
     # 5. damaged components, and a cache folder that cannot be one
@@ -80,7 +80,7 @@ ROWS = [
     ("export --checkpoint {full} --out {cwd}/e --format diffusers --max-shard-size 5000", "--max-shard-size"),
     (f"{FT} model.pretrained={{base}} --offload offload.spill_dir={{cwd}} offload.spill_after=64",
      "offload.spill_after=64 has no unit"),
-    (f"{FT} model.pretrained={{base}} --offload offload.pin_budget=100", "offload.pin_budget='100' has no unit"),
+    (f"{FT} model.pretrained={{base}} --offload offload.pin_budget=100", "offload.pin_budget=100 has no unit"),
 ]
 
 

@@ -5,9 +5,14 @@ import re
 import pytest
 
 from slidefusion.cli import main
-from slidefusion.errors import UserError
-from slidefusion.offload.config import OffloadConfig
-from slidefusion.offload.planner import Workload, grid_for, largest_frames, model_shape, parse_bytes, plan_training
+from slidefusion.core.errors import UserError
+from slidefusion.io.config import build, plain
+from slidefusion.offload.plan.model_shape import model_shape
+from slidefusion.offload.plan.plan import parse_bytes
+from slidefusion.offload.plan.planner import Machine, grid_for, largest_frames, plan_training
+from slidefusion.offload.policy import OffloadPolicy
+from slidefusion.offload.tiling.activations import Workload
+from slidefusion.training.config import load_config
 
 WAN = ["plan", "--model", "wan2.1-14b", "--height", "720", "--width", "1280"]
 
@@ -26,12 +31,20 @@ def test_a_size_without_its_unit_is_refused(capsys, flag, value, needle):
 def test_every_size_key_needs_its_unit_but_python_ints_are_bytes():
     assert main([*WAN, "--frames", "81", "--gpu-memory", "24gib", "--host-memory", "1.5TB"]) == 0
     for key in ("spill_after", "pin_budget"):
-        with pytest.raises(UserError, match=f"offload.{key}=64 has no unit; write e.g. 64GB"):
-            OffloadConfig(**{key: 64}, spill_dir="/tmp")
+        with pytest.raises(UserError, match=f"offload.{key}=64 has no unit; write e.g. 64GB"):  # YAML reads 64 as an int
+            load_config(None, [f"offload.{key}=64", "offload.spill_dir=/tmp"])
         with pytest.raises(UserError, match=f"offload.{key}='64' has no unit"):
-            OffloadConfig(**{key: "64"}, spill_dir="/tmp")
-    assert OffloadConfig(spill_after=0, pin_budget="64GB", spill_dir="/tmp").pin_budget_bytes == 64 * 10**9
+            OffloadPolicy(**{key: "64"}, spill_dir="/tmp")
+        assert getattr(OffloadPolicy(**{key: 64}, spill_dir="/tmp"), key) == 64  # the Python API: bytes
+    assert load_config(None, ["offload.spill_after=0", "offload.pin_budget=64GB"]).offload.pin_budget == 64 * 10**9
     assert parse_bytes(1000, "host_memory") == 1000  # the Python API: an int is a number of bytes
+
+
+def test_a_policy_written_as_config_reads_back_with_its_units():
+    policy = OffloadPolicy(pin_budget=3 * 2**30, spill_after=1234, spill_dir="/tmp")
+    data = plain(policy)
+    assert (data["pin_budget"], data["spill_after"]) == ("3GiB", "1234B")
+    assert build(OffloadPolicy, data, "offload") == policy
 
 
 def _plan(frames, **sizes):
@@ -44,7 +57,9 @@ def _plan(frames, **sizes):
 
 def test_the_largest_clip_is_a_length_the_vae_takes_and_the_next_one_does_not_fit():
     shape, work, sizes = _plan(241)
-    frames = largest_frames(shape, work, 241, 720, 1280, (4, 8, 8), sizes)
+    machine = Machine(sizes["gpu_memory"], sizes["host_memory"], sizes["pcie_bytes_s"], sizes["tflops"])
+    policy = OffloadPolicy(compute_dtype="bfloat16", tile="auto")
+    frames = largest_frames(shape, work, policy, machine, (241, 720, 1280), (4, 8, 8))
     assert frames and (frames - 1) % 4 == 0, frames
     assert plan_training(*_plan(frames)[:2], **sizes).fits
     assert not plan_training(*_plan(frames + 4)[:2], **sizes).fits

@@ -3,7 +3,7 @@ checkpoint, a disk that fills during a checkpoint save or a spilled step. Each e
 loses nothing that was there, and leaves nothing that loads half-written.
 
 The full disk is a small tmpfs mounted here (the test runs as root in CI containers); where mounting
-is not allowed, the documented seam is used instead: `slidefusion.training.checkpoint.save_file`
+is not allowed, the documented seam is used instead: `slidefusion.io.checkpoint.save_file`
 replaced by one that raises ENOSPC, which is what safetensors raises on a full disk.
 """
 
@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from slidefusion.cli import main
-from slidefusion.partial import MARKER, hold
-from slidefusion.training.checkpoint import load_checkpoint
+from slidefusion.io.partial import MARKER, hold
+from slidefusion.io.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -136,7 +136,7 @@ def small_disk(path: Path, size: str, monkeypatch):
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr("slidefusion.training.checkpoint.save_file", full)
+        monkeypatch.setattr("slidefusion.io.checkpoint.save_file", full)
     try:
         yield mounted
     finally:

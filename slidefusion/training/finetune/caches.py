@@ -33,10 +33,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from slidefusion.adapters import TextConditioning
-from slidefusion.diskfull import writing
-from slidefusion.errors import UserError
-from slidefusion.partial import remove_abandoned_files
+from slidefusion.core.errors import UserError
+from slidefusion.families import TextConditioning
+from slidefusion.io.diskfull import writing
+from slidefusion.io.partial import remove_abandoned_files
 
 FORMAT = "slidefusion.finetune_cache/1"
 
@@ -73,7 +73,7 @@ TEMPORARY = re.compile(r"^\.[0-9a-f]{32}\.safetensors\.[a-z0-9_]+\.tmp$")  # wha
 
 def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
     """Write to a locked temporary, then rename: a kill leaves only a temporary no reader opens,
-    and the next `fill` removes it once its lock is free (`slidefusion.partial`)."""
+    and the next `fill` removes it once its lock is free (`slidefusion.io.partial`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -8,6 +8,7 @@ one line (from rank 0 alone under torchrun) before minutes of loading.
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -84,7 +85,14 @@ def run(args) -> None:
         if missing:
             raise UserError(f"--pretrained needs {', '.join(missing)}: the video size in pixels (for Wan, frames "
                             "1 + 4k and sides multiples of 16, e.g. --frames 33 --height 480 --width 832)")
-    _generate(args, parallel)  # under torchrun rank 0 alone reports bad input (`slidefusion.cli.main`)
+    if parallel is None:
+        return _generate(args, None)
+    try:  # bad input is reported by rank 0 alone (the others exit 2 silently), so the error is one line
+        _generate(args, parallel)
+    except UserError:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(2) from None
+        raise
 
 
 def _generate(args, parallel) -> None:

@@ -43,6 +43,27 @@ def leave_after_rank_zero(error: Exception, parser: argparse.ArgumentParser | No
     raise SystemExit(2) from None
 
 
+def follower_rank() -> bool:
+    """True in a rank other than 0 under a launcher (torchrun sets RANK): every rank reads the same
+    command line and the same files, so rank 0 alone reports a mistake in them, once."""
+    return os.environ.get("RANK", "0").strip() not in ("0", "")
+
+
+def rank_failure(error: BaseException) -> str | None:
+    """One line for a failure of the process group (a peer died or never joined, a collective timed
+    out), or None for any other error. torch.distributed's errors carry pages of C++ context."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    modules = {cls.__module__ for cls in type(error).__mro__}
+    text = str(error)
+    if not ("ParallelError" in names or any(m.startswith("torch.distributed") for m in modules)
+            or any(word in text for word in ("Connection closed by peer", "Connection reset by peer", "[gloo]"))):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    rank = os.environ.get("RANK", "?")
+    return (f"rank {rank}: the process group failed: {first[:300]}; another rank died, stopped answering or never "
+            "started (its own message, if any, is above); nothing was written")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors; `intermixed=True` lets positionals follow optionals
     (`train cfg --quiet run.steps=2`). Subparsers are made of this class too."""
@@ -53,6 +74,8 @@ class ArgumentParser(argparse.ArgumentParser):
         self._mixing = False
 
     def error(self, message: str):
+        if follower_rank():
+            leave_after_rank_zero(ValueError(message), self)
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):

@@ -8,7 +8,6 @@ one line (from rank 0 alone under torchrun) before minutes of loading.
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -85,17 +84,7 @@ def parallel_config(args):
 
 
 def run(args) -> None:
-    if not args.parallel:
-        return _run(args)
-    try:  # bad input is reported by rank 0 alone (the others exit 2 silently), so the error is one line
-        _run(args)
-    except UserError as error:
-        if os.environ.get("RANK", "0") != "0":
-            types.leave_after_rank_zero(error, getattr(args, "command_parser", None))
-        raise
-
-
-def _run(args) -> None:
+    """Under torchrun a mistake is reported by rank 0 alone (`cli.main`, `leave_after_rank_zero`)."""
     parallel = parallel_config(args)
     if args.pretrained:
         missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
@@ -120,7 +109,7 @@ def _generate(args, parallel) -> None:
         args.device = str(pick_backend()[1])
     pipe = _pipeline(args)
     if parallel is not None and not args.pretrained:
-        world = _check_models([pipe.model], parallel)
+        world = _check_models(_transformers(pipe), parallel)
     tracer, rank = _join(parallel, world)
     sizes = {"frames": args.frames, "height": args.height, "width": args.width}
     latents = pipe.latents(args.prompt, **sizes, steps=args.steps, guidance=args.guidance, seed=args.seed,
@@ -160,6 +149,13 @@ def _check_models(models, parallel) -> int:
     world = launcher_world()
     check_models(models, parallel, world)
     return world
+
+
+def _transformers(pipe) -> list:
+    """The models `--parallel` runs across the ranks: ours, or each transformer of a diffusers folder
+    (a checkpoint of a fine-tune of one samples as that folder, a `FolderPipeline`)."""
+    parts = getattr(pipe, "parts", None)
+    return [model for model, _ in parts.experts] if parts is not None else [pipe.model]
 
 
 def _join(parallel, world):

@@ -43,10 +43,22 @@ def build_on_meta(folder: PretrainedFolder | str | Path, name: str = "transforme
     buffers computed at construction (RoPE tables, position tables) are real, as in diffusers."""
     from accelerate import init_empty_weights
 
+    from slidefusion.pretrained.config_check import check_size, check_transformer_config, check_weights_fit
+
     folder = _folder(folder)
     cls = transformer_class(folder, name)
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config(folder.transformer_config(name))
+    config = folder.transformer_config(name)
+    where = f"pretrained={folder.root}: {(folder.transformer_dir(name) / 'config.json').relative_to(folder.root)}"
+    check_transformer_config(cls, config, where)
+    entries = folder.weight_entries(name)
+    check_size(cls, config, entries, where)  # before building: a million layers would take an hour
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = cls.from_config(config)
+    except (TypeError, ValueError, ArithmeticError, RuntimeError, AttributeError, KeyError) as error:
+        raise UserError(f"{where}: diffusers cannot build a {cls.__name__} from it ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    check_weights_fit(model, entries, where)
     return model.eval()
 
 

@@ -19,9 +19,11 @@ Latents are the VAE posterior's mean (deterministic: the cache does not depend o
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -31,8 +33,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from slidefusion.adapters import TextConditioning
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
+from slidefusion.families import TextConditioning
+from slidefusion.io.diskfull import writing
+from slidefusion.io.partial import remove_abandoned_files
 
 FORMAT = "slidefusion.finetune_cache/1"
 
@@ -64,16 +68,23 @@ def clip_identity(data, dataset, index: int) -> dict:
     return record
 
 
+TEMPORARY = re.compile(r"^\.[0-9a-f]{32}\.safetensors\.[a-z0-9_]+\.tmp$")  # what `_write` names its temporaries
+
+
 def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Write to a locked temporary, then rename: a kill leaves only a temporary no reader opens,
+    and the next `fill` removes it once its lock is free (`slidefusion.io.partial`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    finally:
+        os.close(fd)
 
 
 def _read(path: Path) -> dict[str, Tensor]:
@@ -93,6 +104,8 @@ class FinetuneCache:
     def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec):
         self.root, self.data, self.dataset, self.spec = Path(root), data, dataset, spec
         self.vae_id, self.text_id = _digest(vae_id), _digest(text_id)
+        self.written: list[Path] = []  # by this process, so that a run stopped by bad input can take them back
+        self._folders = [p for p in (self.root / "latents", self.root / "text", self.root) if not p.exists()]
 
     def latent_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
@@ -113,16 +126,39 @@ class FinetuneCache:
         from slidefusion.pretrained import encode_prompts
         from slidefusion.vae import DiffusersVideoAutoencoder
 
+        for folder in (self.root / "latents", self.root / "text"):
+            remove_abandoned_files(folder, TEMPORARY)  # what a killed fill left; never a live writer's
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
-            for i in tqdm(clips, desc="caching latents", disable=quiet, leave=False):
+            for n, i in enumerate(tqdm(clips, desc="caching latents", disable=quiet, leave=False)):
                 video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
-                _write(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT})
-        for caption in tqdm(texts, desc="caching text", disable=quiet, leave=False):
+                self._put(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT},
+                          len(clips) - n, "latents")
+        for n, caption in enumerate(tqdm(texts, desc="caching text", disable=quiet, leave=False)):
             text = encode_prompts(parts, [caption])
-            _write(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption})
+            self._put(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption},
+                      len(texts) - n, "text states")
         return len(clips) + len(texts)
+
+    def _put(self, path: Path, tensors: dict[str, Tensor], metadata: dict, left: int, what: str) -> None:
+        """Write one cache file; a full disk says how much the `left` files of its kind need."""
+        needed = left * sum(t.numel() * t.element_size() for t in tensors.values())
+        with writing(f"the {what} cache ({left} files to go)", self.root, needed,
+                     "the cache files written so far are complete, and the next run reuses them"):
+            _write(path, tensors, metadata)
+        self.written.append(path)
+
+    def discard_written(self) -> None:
+        """Delete the files this process wrote, and the cache folders they leave empty."""
+        for path in self.written:
+            path.unlink(missing_ok=True)
+        for folder in self._folders:  # the ones this process made
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                pass
+        self.written = []
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

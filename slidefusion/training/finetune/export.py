@@ -27,7 +27,8 @@ import torch
 
 from slidefusion.errors import UserError, check
 from slidefusion.io.checkpoint import check_export_destination, first_nonfinite, load_checkpoint, resolve_checkpoint
-from slidefusion.io.export import DEFAULT_SHARD, write_lora, write_pipeline_folder
+from slidefusion.io.diskfull import folder_bytes, tensor_bytes, writing
+from slidefusion.io.export import DEFAULT_SHARD, copyable_entries, write_lora, write_pipeline_folder
 from slidefusion.pretrained import lora as lora_lib
 from slidefusion.run_config import SamplingConfig
 
@@ -67,9 +68,18 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
     if config.lora.enabled:
         return _export_lora(folder, config, weights, destination), "LoRA weights (pipe.load_lora_weights(OUT))"
     expert = config.model.expert
-    write_pipeline_folder(folder.root, destination, expert, folder.transformer_dir(expert) / "config.json",
-                          _cast(weights, folder, expert, dtype), max_shard_size)
+    weights = _cast(weights, folder, expert, dtype)
+    copied = copyable_entries(folder.root, skip=expert)  # a named pipe or a link loop: refused before writing
+    needed = tensor_bytes(weights) + sum(folder_bytes(e) if e.is_dir() else e.stat().st_size for e in copied)
+    with _writing(destination, needed):
+        write_pipeline_folder(folder.root, destination, expert, folder.transformer_dir(expert) / "config.json",
+                              weights, max_shard_size)
     return destination, f"a {folder.pipeline_class} folder with the fine-tuned {expert}"
+
+
+def _writing(destination: Path, needed: int):
+    return writing(f"the export {destination.name}", destination.absolute().parent, needed,
+                   "the run, its base folder and any earlier --out are untouched")
 
 
 def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
@@ -84,4 +94,5 @@ def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
     meta = build_on_meta(folder, config.model.expert)
     metadata = lora_lib.peft_config(meta, config.lora, folder.adapter(config.model.expert).lora_targets).to_dict()
     metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-    return write_lora(cls, destination, state, metadata)
+    with _writing(destination, tensor_bytes(state)):
+        return write_lora(cls, destination, state, metadata)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slidefusion import memory
+from slidefusion.core import validate
 from slidefusion.errors import UserError, check
 from slidefusion.offload import OffloadEngine, engine_blocks
 from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
@@ -89,6 +90,8 @@ class FolderTask:
             self._say_window()
         self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
         self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
+        if data.cache_dir:  # a file there, or a folder nothing can be written to, fails now, not after loading
+            validate.output_path(data.cache_dir, "data.cache_dir", folder=True, inside=True)
         self.dataset = dataset_of(data)
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
         self.run_dir, self.quiet = run_dir, quiet
@@ -123,6 +126,7 @@ class FolderTask:
         root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
         cache = FinetuneCache(root, self.config.data, self.dataset, component_identity(self.folder, ["vae"]),
                               component_identity(self.folder, text_components), text)
+        self.cache = cache  # before filling: a stop on bad input midway takes back what was written
         clips, texts = cache.missing([*self.captions, ""])
         if clips or texts:
             parts = PretrainedParts.load(self.folder, transformers=False)
@@ -228,3 +232,8 @@ class FolderTask:
 
     def after_save(self) -> None:
         pass
+
+    def discard_written(self) -> None:
+        """The cache files this run computed (see `Trainer`: a new run stopped by bad input)."""
+        if self.cache is not None:
+            self.cache.discard_written()

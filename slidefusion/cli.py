@@ -31,6 +31,13 @@ def cmd_train(args) -> None:
         _train(trainer, args)
 
 
+def cmd_cache(args) -> None:
+    from slidefusion.training import Trainer, load_config
+
+    trainer = Trainer(load_config(args.config, args.overrides), quiet=args.quiet)
+    print(f"caches ready under {trainer.cache_only()}; `slidefusion train` with the same data and folder reuses them")
+
+
 def _train(trainer, args) -> None:
     config = trainer.config
     if args.resume:
@@ -45,7 +52,7 @@ def _train(trainer, args) -> None:
         print(f"trained {len(result.losses)} steps in {result.seconds:.1f} s; final loss {result.losses[-1]:.4f}; "
               f"checkpoint {result.last_checkpoint}")
     else:
-        print(f"nothing to do: the run is already at step {trainer.step} of {config.run.steps}")
+        print(f"nothing to do: the run is already at step {trainer.step} of {trainer.total_steps}")
 
 
 def _pipeline(args, checkpoint):
@@ -173,6 +180,12 @@ def parser() -> ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     add_offload_options(train)
     train.set_defaults(func=cmd_train)
+
+    cache = sub.add_parser("cache", help="encode a fine-tune's latents and text states, then stop", intermixed=True)
+    cache.add_argument("config", help="YAML config of the run, e.g. configs/wan-finetune.yaml")
+    cache.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    cache.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    cache.set_defaults(func=cmd_cache)
 
     generate = sub.add_parser("generate", help="generate a video from a prompt")
     generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")

@@ -55,6 +55,7 @@ class OffloadEngine:
         self.h2d, self.d2h = (make_copier(f"offload-{way}", self.device, policy.pin_chunk) for way in ("h2d", "d2h"))
         self.worker = Worker("offload-adamw") if policy.overlapped else InlineWorker()
         self.strategy = make_strategy(policy, self.state, self.allocator.empty, self.worker, self._update)
+        self.accumulator = None  # host gradient sums, for steps of several micro-batches (`accumulate`)
         self.weights = DeviceWeights(self.state, policy, self.h2d, lambda key: self.strategy.updated[key])
         self.grads = GradientShipper(self.state, policy, self.d2h, self.strategy)
         self.runner = make_runner(policy, model, self.blocks)  # one block's computation: whole or tiled
@@ -72,12 +73,33 @@ class OffloadEngine:
         check(lr >= 0, f"lr={lr} must be >= 0")
         self.lr = lr
 
-    def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> float:
+    def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor] | list) -> float:
         """Forward + backward of `loss_fn(model)` and one AdamW update; returns the loss.
 
+        A list of loss functions is one step of several micro-batches (each loss already scaled by
+        its share): their gradients add up in host memory (`accumulate`) and the update runs on the
+        last one's backward. Returns the sum of their losses.
         The update of the last blocks may still be running when this returns; the next step, and
         `model_state_dict`/`state_dict`, wait for exactly the parts they need."""
         start = time.perf_counter()
+        fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
+        check(len(fns) >= 1, "train_step needs at least one loss function")
+        value = 0.0
+        for number, fn in enumerate(fns):
+            if len(fns) == 1:
+                self.grads.strategy = self.strategy
+            else:
+                self.grads.strategy = self._accumulator()
+                self.grads.strategy.begin(first=number == 0, last=number == len(fns) - 1)
+            value += self._micro_batch(fn)
+        self.grads.strategy = self.strategy
+        self.strategy.end_backward(self.step + 1, self.lr, self.d2h.marker())
+        self.step += 1
+        _record(self, time.perf_counter() - start)
+        return value
+
+    def _micro_batch(self, loss_fn) -> float:
+        """One forward and backward; the gradients shipped to `self.grads.strategy`."""
         self.checkpoints.begin_step()  # a disk that cannot hold the step fails here, before any work
         _refresh_written_weights(self)
         self._wait_update(REST)
@@ -91,10 +113,16 @@ class OffloadEngine:
             self.state.rest.bind_host()
             for p in self.state.rest.params:
                 p.grad = None
-        self.strategy.end_backward(self.step + 1, self.lr, self.d2h.marker())
-        self.step += 1
-        _record(self, time.perf_counter() - start)
         return value
+
+    def _accumulator(self):
+        """The host gradient sums of steps with several micro-batches, allocated at first use."""
+        if self.accumulator is None:
+            from slidefusion.offload.accumulate import GradientAccumulator
+
+            self.accumulator = GradientAccumulator(self.state, self.allocator.empty, self.policy.compute_dtype,
+                                                   self.worker, self.strategy, not self.policy.holds_gradients)
+        return self.accumulator
 
     def _forward_backward(self, loss_fn) -> float:
         enabled = self.policy.compute_dtype != torch.float32
@@ -236,5 +264,5 @@ def _record(engine: OffloadEngine, seconds: float) -> None:
     s.host_state_bytes = engine.state.host_bytes()
     s.host_bytes_per_param = (s.host_state_bytes - engine.state.frozen_bytes()) / max(1, engine.state.trainable_numel())
     s.frozen_bytes_per_param = engine.state.frozen_bytes() / max(1, engine.state.frozen_numel())
-    s.staging_bytes = engine.strategy.host_bytes()
+    s.staging_bytes = engine.strategy.host_bytes() + (engine.accumulator.host_bytes() if engine.accumulator else 0)
     s.pinned_bytes, s.pageable_copy_bytes = engine.allocator.pinned_bytes, engine.allocator.pageable_dma_bytes

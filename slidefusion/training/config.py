@@ -16,19 +16,25 @@ import yaml
 
 from slidefusion import validate
 from slidefusion.data.shapes import START_MODES
+from slidefusion.data.sources import SourceConfig
 from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.errors import UserError, check
 from slidefusion.models.config import ModelConfig, preset
 from slidefusion.offload.config import OffloadConfig
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.training.finetune.config import LoraConfig, PretrainedModelConfig
+from slidefusion.training.validation_config import ValidateConfig
 
 
 @dataclass
 class DataConfig:
-    """Where clips come from and their size in pixels (before the autoencoder)."""
+    """Where clips come from and their size in pixels (before the autoencoder).
 
-    kind: str = "shapes"  # "shapes" (procedural, captioned) or "folder" (videos + captions file)
+    Real files: `root` (one folder, the keys below it) or `datasets` (a list of sources, see
+    `slidefusion.data.sources`). Sizes: one fixed `frames` x `height` x `width`, or buckets:
+    `resolution` (a target area: R or [width, height]) and `frame_buckets` (clip lengths)."""
+
+    kind: str = "shapes"  # "shapes" (procedural, captioned) or "folder" (videos, images + captions)
     frames: int = 8
     height: int = 32
     width: int = 32
@@ -40,6 +46,10 @@ class DataConfig:
     stride: int = 1  # frame stride when reading real videos
     fps: int = 8  # playback rate of exported videos
     cache_dir: str | None = None  # latent and text caches of a diffusers fine-tune (null: RUN/cache)
+    datasets: list[SourceConfig] | None = None  # several sources with their own settings (instead of root)
+    resolution: int | list[int] | None = None  # aspect buckets of this area (null: frames x height x width)
+    frame_buckets: list[int] | None = None  # clip lengths; each clip takes the largest it fills (null: [frames])
+    strict: bool = False  # any skipped file is an error
 
     def __post_init__(self):
         for name in ("frames", "height", "width", "num_samples", "max_objects", "stride", "fps"):
@@ -48,7 +58,26 @@ class DataConfig:
         check(self.fps <= 1000, f"data.fps={self.fps} must be <= 1000 (the playback rate of exported videos)")
         check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
         check(self.start in START_MODES, f"data.start={self.start!r} is unknown; valid: {', '.join(START_MODES)}")
-        check(self.kind != "folder" or self.root, "data.root must name the video folder when data.kind=folder")
+        check(self.kind != "folder" or self.root or self.datasets is not None,
+              "data.root must name the video folder when data.kind=folder (or list sources in data.datasets)")
+        for name in ("datasets", "resolution", "frame_buckets"):
+            check(self.kind == "folder" or getattr(self, name) is None,
+                  f"data.{name} applies to real files (data.kind=folder), not data.kind={self.kind}")
+        check(self.datasets is None or self.root is None,
+              f"data.root={self.root!r} and data.datasets exclude each other; set data.root=null to use data.datasets")
+        if self.datasets is not None:
+            check(len(self.datasets) > 0, "data.datasets=[] is empty; list at least one source, e.g. [{root: clips}]")
+            for index, source in enumerate(self.datasets):
+                source.check(f"data.datasets[{index}]")
+        if self.frame_buckets is not None:
+            check(len(self.frame_buckets) > 0 and all(f >= 1 for f in self.frame_buckets),
+                  f"data.frame_buckets={self.frame_buckets} must list clip lengths >= 1, e.g. [1, 17, 33]")
+
+    def sources(self) -> list[tuple[SourceConfig, str]]:
+        """(source, the config key its errors name) of real files: `datasets`, or `root` as one source."""
+        if self.datasets is not None:
+            return [(source, f"data.datasets[{i}]") for i, source in enumerate(self.datasets)]
+        return [(SourceConfig(root=self.root, frame_step=self.stride), "data")]
 
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a plain folder name: no path, not . or ..
@@ -67,11 +96,14 @@ class RunConfig:
     log_every: int = 10
     save_every: int = 500
     keep_last: int | None = 3  # older checkpoints are deleted; null keeps all
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (the GPU when there is one)
     tensorboard: bool = False
+    grad_accum: int = 1  # micro-batches per optimizer step: a batch of batch_size x grad_accum
+    epochs: int | None = None  # the run's length in epochs instead of run.steps (fine-tunes of folders)
+    wandb: str | None = None  # a Weights & Biases project to log to (WANDB_MODE=offline works)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "log_every", "save_every"):
+        for name in ("steps", "batch_size", "log_every", "save_every", "grad_accum"):
             value = getattr(self, name)
             check(value >= 1, f"run.{name}={value} must be >= 1")
         check(self.keep_last is None or self.keep_last >= 1, f"run.keep_last={self.keep_last} must be >= 1 or null")
@@ -82,6 +114,9 @@ class RunConfig:
         check(bool(str(self.device).strip()), f"run.device={self.device!r} must name a device, e.g. cpu or cuda")
         validate.integer(self.seed, "run.seed", 0, RUN_SEED_MAX)
         check(self.steps <= 2**62, f"run.steps={self.steps} must be <= 2**62")
+        check(self.epochs is None or 1 <= self.epochs <= 2**31, f"run.epochs={self.epochs} must be >= 1 or null")
+        check(self.wandb is None or (isinstance(self.wandb, str) and self.wandb.strip() != "" and "/" not in self.wandb),
+              f"run.wandb={self.wandb!r} must name a W&B project (e.g. my-finetunes) or be null")
 
 
 @dataclass
@@ -97,6 +132,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
     text_encoder: str = "minilm"
     text_max_length: int = 32
     autoencoder: str = "identity"
@@ -129,11 +165,15 @@ def _coerce(value, annotation, key: str):
             except UserError as error:
                 errors.append(error)
         raise errors[0]
+    if dataclasses.is_dataclass(annotation):
+        return build(annotation, value, key)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{key}={value!r} must be a list")
         inner = typing.get_args(annotation)
-        return origin(_coerce(v, inner[0], key) for v in value)
+        many = origin is list or (len(inner) == 2 and inner[1] is Ellipsis)
+        return origin(_coerce(v, inner[0], f"{key}[{i}]" if many and dataclasses.is_dataclass(inner[0]) else key)
+                      for i, v in enumerate(value))
     if origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key}={value!r} must be a mapping")

@@ -193,7 +193,7 @@ CASES = [
     ("{ft} data.height=44", "data.frames/height/width"),
     ("{ft} data.width=1040", "exceeds this Wan's rotary table: frames, height and width / patch must each be <= rope_max_seq_len=32"),
     ("{ft} data.kind=folder data.root={cwd}/nowhere", "data.root: no such folder"),
-    ("{ft} data.kind=folder data.root={folder}", "data.root: no videos"),
+    ("{ft} data.kind=folder data.root={folder}", "data.root={folder} holds no image or video files"),
     ("{ft} run.name=off", "run.name=False must be a str; YAML reads yes/no/on/off/true/false as booleans: quote the value"),
     ("{ft} lora.rank=0", "lora.rank=0 must be a positive int"),
     ("{ft} lora.rank=4 lora.target_modules=[bogus]", "lora.target_modules: 'bogus' matches no Linear module"),

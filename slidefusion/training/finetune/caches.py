@@ -4,9 +4,10 @@ As in musubi-tuner, every clip's latents and every caption's text states are one
 named by a hash of what determines them, so a cache is reused by any run that would compute the
 same tensors and never by one that would not:
 
-    CACHE/latents/<sha>.safetensors   "latents" (C, T, H, W) float32; key: the clip (dataset kind,
-                                      file and its size and mtime or the procedural seed and index,
-                                      frames, height, width, stride) and the VAE (its files)
+    CACHE/latents/FxHxW/<sha>.safetensors
+                                      "latents" (C, T, H, W) float32, one folder per bucket (F x H x W
+                                      pixels); key: the clip (file, its size and mtime, its frames,
+                                      bucket and resize, or the procedural seed and index) and the VAE
     CACHE/text/<sha>.safetensors      "states" (L, D) float32, "mask" (L,) uint8 (families that take
                                       one), "pooled" (P,) (HunyuanVideo); key: the caption and the
                                       text encoders and tokenizers (their files)
@@ -53,7 +54,10 @@ def component_identity(folder, names: list[str]) -> dict:
 
 
 def clip_identity(data, dataset, index: int) -> dict:
-    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE."""
+    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE (a scanned `ClipSet`
+    says it itself: file, frames, bucket, resize)."""
+    if hasattr(dataset, "identity"):
+        return dataset.identity(index)
     record = {"kind": data.kind, "index": index, "frames": data.frames, "height": data.height, "width": data.width}
     if data.kind == "shapes":
         record.update(seed=data.seed, max_objects=data.max_objects)
@@ -62,6 +66,12 @@ def clip_identity(data, dataset, index: int) -> dict:
         stat = path.stat()
         record.update(file=str(path.resolve()), size=stat.st_size, mtime=stat.st_mtime_ns, stride=data.stride)
     return record
+
+
+def _bucket_folder(data, dataset, index: int) -> str:
+    """The latents' subfolder: one per bucket (frames x height x width in pixels)."""
+    bucket = dataset.buckets[index] if hasattr(dataset, "buckets") else None
+    return str(bucket) if bucket is not None else f"{data.frames}x{data.height}x{data.width}"
 
 
 def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
@@ -96,7 +106,7 @@ class FinetuneCache:
 
     def latent_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
-        return self.root / "latents" / f"{key}.safetensors"
+        return self.root / "latents" / _bucket_folder(self.data, self.dataset, index) / f"{key}.safetensors"
 
     def text_path(self, caption: str) -> Path:
         key = _digest({"format": FORMAT, "caption": caption, "text": self.text_id})
@@ -116,13 +126,22 @@ class FinetuneCache:
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
-            for i in tqdm(clips, desc="caching latents", disable=quiet, leave=False):
-                video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
-                _write(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT})
+            for i, video in tqdm(self._videos(clips), total=len(clips), desc="caching latents", disable=quiet,
+                                 leave=False):
+                latents = vae.encode(video[None].to(device))[0].float()  # (1, 3, T, H, W) -> (C, T', H', W')
+                _write(self.latent_path(i), {"latents": latents}, {"format": FORMAT})
         for caption in tqdm(texts, desc="caching text", disable=quiet, leave=False):
             text = encode_prompts(parts, [caption])
             _write(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption})
         return len(clips) + len(texts)
+
+    def _videos(self, indices: list[int]):
+        """(index, video (3, T, H, W)) of each clip; a scanned dataset decodes each file once."""
+        if hasattr(self.dataset, "load"):
+            yield from self.dataset.load(indices)
+        else:
+            for i in indices:
+                yield i, self.dataset[i]["video"]
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

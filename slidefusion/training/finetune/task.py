@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
@@ -38,9 +39,11 @@ from slidefusion.offload import OffloadEngine
 from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
+from slidefusion.training.finetune.batches import FolderData, data_rules, sample_generator
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch
+from slidefusion.training.task import ResidentOptimizer
+from slidefusion.training.validation import Validator
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
@@ -92,11 +95,8 @@ class FolderTask:
         self.adapter = adapter = folder_adapter(folder, vae_config, cfg.expert)
         meta = build_on_meta(folder, cfg.expert)
         folder.weight_entries(cfg.expert)  # every shard there, before anything is cached
-        data = config.data
-        try:
-            self.latent = latent_shape(adapter, meta, vae_config, data.frames, data.height, data.width)[1:]
-        except UserError as error:
-            raise UserError(f"data.frames/height/width: {error}") from None
+        self.rules, self.largest = data_rules(config.data, adapter, meta, vae_config)
+        self.latent = latent_shape(adapter, meta, vae_config, *astuple(self.largest))[1:]  # the plan's size
         self.grid = adapter.token_grid(meta, (1, *self.latent))
         self.slide = cfg.slide
         self._adapt(meta)
@@ -117,8 +117,12 @@ class FolderTask:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
                               "training resident", "train with --offload, or use lora.rank")
-        self.dataset = dataset_of(data)
-        self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
+        self.validator = Validator(config, self, quiet) if config.validate.enabled else None  # its checks, before the scan
+        self.data = FolderData(config, self.rules, quiet)  # every file probed, the skip table printed
+        self.dataset = self.data.dataset
+        self.captions = [self.data.caption(i) for i in range(len(self.dataset))]
+        if self.validator is not None:
+            self.validator.scan(self.rules)
         self.run_dir, self.quiet = run_dir, quiet
         self.model, self.optimizer, self.cache = meta, None, None
 
@@ -126,25 +130,40 @@ class FolderTask:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
         if self.optimizer is not None:
             return
-        self.cache = self._cache(self.run_dir, self.quiet)
+        self.prepare_cache()
         self.optimizer = self._offloaded() if self.config.offload.enabled else self._resident()
 
     # ---------------------------------------------------------------- caches
+    def prepare_cache(self) -> FinetuneCache:
+        """Every clip's latents and every caption's (and validation prompt's) text states, computed
+        where missing; `slidefusion cache` stops here."""
+        if self.cache is None:
+            self.cache = self._cache(self.run_dir, self.quiet)
+        return self.cache
+
+    def cache_root(self) -> Path:
+        return Path(self.config.data.cache_dir) if self.config.data.cache_dir else self.run_dir / "cache"
+
     def _cache(self, run_dir: Path, quiet: bool) -> FinetuneCache:
         from slidefusion.pretrained import PretrainedParts
 
         text = self.adapter.text
         text_components = [*text.encoders, *text.tokenizers]
-        root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
-        cache = FinetuneCache(root, self.config.data, self.dataset, component_identity(self.folder, ["vae"]),
-                              component_identity(self.folder, text_components), text)
-        clips, texts = cache.missing([*self.captions, ""])
-        if clips or texts:
+        root = self.cache_root()
+        identities = component_identity(self.folder, ["vae"]), component_identity(self.folder, text_components)
+        cache = FinetuneCache(root, self.config.data, self.dataset, *identities, text)
+        caches = [(cache, [*self.captions, ""])]
+        if self.validator is not None:
+            caches += self.validator.caches(root, identities, text)
+        missing = [c.missing(texts) for c, texts in caches]
+        if any(clips or texts for clips, texts in missing):
             parts = PretrainedParts.load(self.folder, transformers=False)
-            written = cache.fill(parts, self.device, quiet, [*self.captions, ""])
+            written = sum(c.fill(parts, self.device, quiet, texts) for c, texts in caches)
             del parts  # the VAE and text encoders go before the transformer comes
             if not quiet:
                 print(f"cached {written} files under {root}")
+        elif not quiet:
+            print(f"reusing the caches under {root} ({len(self.dataset)} clips, {len(set(self.captions))} captions)")
         return cache
 
     # ---------------------------------------------------------------- the model
@@ -209,20 +228,41 @@ class FolderTask:
         return engine
 
     # ---------------------------------------------------------------- the trainer's seam
-    def loss_fn(self, generator: torch.Generator):
-        """The step's loss as a function of the model: cached latents and text of the drawn clips."""
-        run = self.config.run
-        indices, captions = draw_batch(self.dataset, run.batch_size, self.config.diffusion.caption_dropout, generator,
-                                       lambda i: self.captions[i])
-        latents = self.cache.latents(indices).to(self.device)
+    def loss_fn(self, generator: torch.Generator, step: int = 0):
+        """Step `step`'s loss as a function of the model (one micro-batch), or a list of them, each
+        scaled by its share of the step's clips (`run.grad_accum`); see `batches` for the draws.
+        `generator` is the trainer's step stream, unused: every sample has its own."""
+        parts = self.data.micro_batches(step)
+        total = sum(len(p) for p in parts)
+        fns = [self._micro_loss(part, step, len(part) / total) for part in parts]
+        return fns[0] if len(fns) == 1 else fns
+
+    def _micro_loss(self, part: list[tuple[int, int]], step: int, weight: float):
+        seed, dropout = self.config.run.seed, self.config.diffusion.caption_dropout
+        generators = [sample_generator(seed, step, position) for position, _ in part]
+        indices = [index for _, index in part]
+        captions = ["" if torch.rand((), generator=g).item() < dropout else self.captions[i]
+                    for g, i in zip(generators, indices)]
+        latents = self.cache.latents(indices)
+        t, noise = self.objective.draw(latents.shape, self.adapter.tokens(self.model, latents.shape), generators)
+        latents, t, noise = latents.to(self.device), t.to(self.device), noise.to(self.device)
         text = self.cache.text(captions)
         text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
                           None if text.pooled is None else text.pooled.to(self.device))
 
         def loss(model: nn.Module) -> torch.Tensor:
-            return self.objective.loss(model, latents, text, generator)
+            value = self.objective.loss_at(model, latents, text, t, noise)
+            return value if weight == 1.0 else value * weight
 
         return loss
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.data.steps_per_epoch
+
+    def describe_data(self) -> str:
+        """The bucket table printed before step 1."""
+        return self.data.table()
 
     def weights(self, state: dict) -> dict:
         """Every weight, or LoRA's adapters only (and slide attention's offset networks)."""

@@ -117,6 +117,7 @@ class FolderTask:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
                               "training resident", "train with --offload, or use lora.rank")
+        self.model, self.optimizer, self.cache = meta, None, None
         self.validator = Validator(config, self, quiet) if config.validate.enabled else None  # its checks, before the scan
         self.data = FolderData(config, self.rules, quiet)  # every file probed, the skip table printed
         self.dataset = self.data.dataset
@@ -124,7 +125,6 @@ class FolderTask:
         if self.validator is not None:
             self.validator.scan(self.rules)
         self.run_dir, self.quiet = run_dir, quiet
-        self.model, self.optimizer, self.cache = meta, None, None
 
     def prepare(self) -> None:
         """The caches, then the transformer and its optimizer (see the module docstring)."""

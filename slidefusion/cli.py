@@ -33,9 +33,10 @@ def cmd_train(args) -> None:
 
 def cmd_cache(args) -> None:
     from slidefusion.training import Trainer, load_config
+    from slidefusion.training.trainer import cache_only
 
     trainer = Trainer(load_config(args.config, args.overrides), quiet=args.quiet)
-    print(f"caches ready under {trainer.cache_only()}; `slidefusion train` with the same data and folder reuses them")
+    print(f"caches ready under {cache_only(trainer)}; `slidefusion train` with the same data and folder reuses them")
 
 
 def _train(trainer, args) -> None:
@@ -163,6 +164,14 @@ def _sampling_options(parser: ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _add_cache_parser(sub) -> None:
+    cache = sub.add_parser("cache", help="encode a fine-tune's latents and text states, then stop", intermixed=True)
+    cache.add_argument("config", help="YAML config of the run, e.g. configs/wan-finetune.yaml")
+    cache.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    cache.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    cache.set_defaults(func=cmd_cache)
+
+
 def parser() -> ArgumentParser:
     from slidefusion.parallel.cli import add_parallel_options, add_simulate_parser
     from slidefusion.eval.cli import add_evaluate_parser, add_experiment_parser
@@ -181,12 +190,7 @@ def parser() -> ArgumentParser:
     add_offload_options(train)
     train.set_defaults(func=cmd_train)
 
-    cache = sub.add_parser("cache", help="encode a fine-tune's latents and text states, then stop", intermixed=True)
-    cache.add_argument("config", help="YAML config of the run, e.g. configs/wan-finetune.yaml")
-    cache.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
-    cache.add_argument("--quiet", action="store_true", help="no progress bar or tables")
-    cache.set_defaults(func=cmd_cache)
-
+    _add_cache_parser(sub)
     generate = sub.add_parser("generate", help="generate a video from a prompt")
     generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")
     generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
@@ -224,10 +228,8 @@ def parser() -> ArgumentParser:
                       help="OUT.mp4, OUT.gif and OUT-grid.gif are written (default outputs/demo.mp4)")
     _sampling_options(demo)
     demo.set_defaults(func=cmd_demo)
-    add_simulate_parser(sub)
-    add_plan_parser(sub)
-    add_evaluate_parser(sub)
-    add_experiment_parser(sub)
+    for add in (add_simulate_parser, add_plan_parser, add_evaluate_parser, add_experiment_parser):
+        add(sub)
     return root
 
 

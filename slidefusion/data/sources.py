@@ -88,15 +88,13 @@ class Rules:
         object.__setattr__(self, "_aspects", aspect_buckets(self.area, self.step) if self.area else None)
 
     def bucket(self, frames: int, height: int, width: int, fixed: tuple[int, int] | None) -> Bucket:
+        """The bucket of a clip of `frames` x `height` x `width` (`fixed`: its source's size)."""
         h, w = fixed or (nearest_bucket(height, width, self._aspects) if self._aspects else self.size)
         return Bucket(frames, h, w)
 
-    def largest(self, sources: list[SourceConfig]) -> Bucket:
-        """The bucket with the most pixels any clip can get (to size memory plans before a scan)."""
-        sides = [tuple(reversed(s.resolution)) for s in sources if s.resolution]
-        sides += list(self._aspects or [self.size])
-        h, w = max(sides, key=lambda hw: hw[0] * hw[1])
-        return Bucket(max(self.frame_buckets), h, w)
+    def sides(self) -> list[tuple[int, int]]:
+        """Every (height, width) a clip can get: the aspect buckets, or the one fixed size."""
+        return list(self._aspects or [self.size])
 
 
 @dataclass

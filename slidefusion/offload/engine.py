@@ -89,40 +89,14 @@ class OffloadEngine:
             if len(fns) == 1:
                 self.grads.strategy = self.strategy
             else:
-                self.grads.strategy = self._accumulator()
+                self.grads.strategy = _accumulator(self)
                 self.grads.strategy.begin(first=number == 0, last=number == len(fns) - 1)
-            value += self._micro_batch(fn)
+            value += _micro_batch(self, fn)
         self.grads.strategy = self.strategy
         self.strategy.end_backward(self.step + 1, self.lr, self.d2h.marker())
         self.step += 1
         _record(self, time.perf_counter() - start)
         return value
-
-    def _micro_batch(self, loss_fn) -> float:
-        """One forward and backward; the gradients shipped to `self.grads.strategy`."""
-        self.checkpoints.begin_step()  # a disk that cannot hold the step fails here, before any work
-        _refresh_written_weights(self)
-        self._wait_update(REST)
-        self.weights.begin_pass(forward=True)
-        self._pos, self._called = 0, []
-        try:
-            value = self._forward_backward(loss_fn)
-            self.grads.ship(self.state.rest, [p.grad for p in self.state.rest.trainable], self.step + 1, self.lr)
-        finally:
-            self.checkpoints.end_step()
-            self.state.rest.bind_host()
-            for p in self.state.rest.params:
-                p.grad = None
-        return value
-
-    def _accumulator(self):
-        """The host gradient sums of steps with several micro-batches, allocated at first use."""
-        if self.accumulator is None:
-            from slidefusion.offload.accumulate import GradientAccumulator
-
-            self.accumulator = GradientAccumulator(self.state, self.allocator.empty, self.policy.compute_dtype,
-                                                   self.worker, self.strategy, not self.policy.holds_gradients)
-        return self.accumulator
 
     def _forward_backward(self, loss_fn) -> float:
         enabled = self.policy.compute_dtype != torch.float32
@@ -234,6 +208,35 @@ class OffloadEngine:
         self.checkpoints.close()
         for target in (self.h2d, self.d2h, self.worker):
             target.close()
+
+
+def _micro_batch(engine: OffloadEngine, loss_fn) -> float:
+    """One forward and backward; the gradients shipped to `engine.grads.strategy`."""
+    engine.checkpoints.begin_step()  # a disk that cannot hold the step fails here, before any work
+    _refresh_written_weights(engine)
+    engine._wait_update(REST)
+    engine.weights.begin_pass(forward=True)
+    engine._pos, engine._called = 0, []
+    rest = engine.state.rest
+    try:
+        value = engine._forward_backward(loss_fn)
+        engine.grads.ship(rest, [p.grad for p in rest.trainable], engine.step + 1, engine.lr)
+    finally:
+        engine.checkpoints.end_step()
+        rest.bind_host()
+        for p in rest.params:
+            p.grad = None
+    return value
+
+
+def _accumulator(engine: OffloadEngine):
+    """The host gradient sums of steps with several micro-batches, allocated at first use."""
+    if engine.accumulator is None:
+        from slidefusion.offload.accumulate import GradientAccumulator
+
+        engine.accumulator = GradientAccumulator(engine.state, engine.allocator.empty, engine.policy.compute_dtype,
+                                                 engine.worker, engine.strategy, not engine.policy.holds_gradients)
+    return engine.accumulator
 
 
 def _refresh_written_weights(engine: OffloadEngine) -> None:

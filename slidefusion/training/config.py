@@ -60,18 +60,29 @@ class DataConfig:
         check(self.start in START_MODES, f"data.start={self.start!r} is unknown; valid: {', '.join(START_MODES)}")
         check(self.kind != "folder" or self.root or self.datasets is not None,
               "data.root must name the video folder when data.kind=folder (or list sources in data.datasets)")
-        for name in ("datasets", "resolution", "frame_buckets"):
-            check(self.kind == "folder" or getattr(self, name) is None,
-                  f"data.{name} applies to real files (data.kind=folder), not data.kind={self.kind}")
+        check(self.kind == "folder" or self.datasets is None,
+              f"data.datasets lists real files (data.kind=folder), not data.kind={self.kind}")
         check(self.datasets is None or self.root is None,
               f"data.root={self.root!r} and data.datasets exclude each other; set data.root=null to use data.datasets")
         if self.datasets is not None:
             check(len(self.datasets) > 0, "data.datasets=[] is empty; list at least one source, e.g. [{root: clips}]")
             for index, source in enumerate(self.datasets):
                 source.check(f"data.datasets[{index}]")
+        if self.resolution is not None:
+            sides = [self.resolution] if isinstance(self.resolution, int) else self.resolution
+            check(len(sides) in (1, 2) and all(1 <= side <= 65536 for side in sides),
+                  f"data.resolution={self.resolution!r} must be a side R (R x R pixels) or [width, height]")
         if self.frame_buckets is not None:
             check(len(self.frame_buckets) > 0 and all(f >= 1 for f in self.frame_buckets),
                   f"data.frame_buckets={self.frame_buckets} must list clip lengths >= 1, e.g. [1, 17, 33]")
+
+    def ignored_buckets(self) -> str | None:
+        """A note when bucket keys are set for the procedural shapes, which render one size."""
+        keys = [f"data.{k}" for k in ("resolution", "frame_buckets") if getattr(self, k) is not None]
+        if self.kind != "shapes" or not keys:
+            return None
+        return (f"note: {' and '.join(keys)} apply to real files (data.kind=folder); data.kind=shapes renders "
+                f"{self.frames}x{self.height}x{self.width} clips")
 
     def sources(self) -> list[tuple[SourceConfig, str]]:
         """(source, the config key its errors name) of real files: `datasets`, or `root` as one source."""

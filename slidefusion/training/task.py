@@ -97,6 +97,8 @@ def dataset_of(data, quiet: bool = True):
         if not quiet:
             print(format_table(reports))
         return dataset
+    if data.ignored_buckets() and not quiet:
+        print(data.ignored_buckets())
     options = data_options(data)
     try:
         return build_dataset(**options)

@@ -100,7 +100,7 @@ class Trainer:
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
         self.task = build_task(config, self.device, self.run_dir, quiet)
-        self.total_steps = self._total_steps()
+        self.total_steps = total_steps(config, self.task, quiet)
         self.model = self.optimizer = self.ema = None
         if not getattr(self.task, "lazy", False):
             self.prepare()
@@ -117,17 +117,6 @@ class Trainer:
         self.model, self.optimizer = self.task.model, self.task.optimizer
         decay = self.config.optim.ema_decay
         self.ema = EMA(self._weights(), decay) if decay else None
-
-    def _total_steps(self) -> int:
-        """run.steps, or run.epochs of the task's steps per epoch (said when it replaces run.steps)."""
-        run = self.config.run
-        if run.epochs is None:
-            return run.steps
-        per_epoch = self.task.steps_per_epoch
-        if not self.quiet:
-            print(f"run.epochs={run.epochs}: {run.epochs} x {per_epoch} steps = {run.epochs * per_epoch} steps "
-                  f"(instead of run.steps={run.steps})")
-        return run.epochs * per_epoch
 
     # -- the run folder ---------------------------------------------------------------------------
 
@@ -335,20 +324,33 @@ class Trainer:
             samples = f"  {record['samples']} samples in samples/step-{self.step}" if record.get("samples") else ""
             tqdm.write(f"validation at step {self.step}:{samples}{held}  ({record['validation_s']:.1f} s)")
 
-    def cache_only(self) -> Path:
-        """`slidefusion cache`: the latents and text states a run of this config needs, and nothing else."""
-        check_cache = getattr(self.task, "prepare_cache", None)
-        if check_cache is None:
-            raise UserError("slidefusion cache applies to fine-tunes of diffusers folders (model.pretrained=DIR); "
-                            "our own models encode each batch as they train")
-        with self.lock():
-            check_cache()
-        return self.task.cache_root()
-
     def _log(self, log: RunLog, loss: float, lr: float, elapsed: float, done: int) -> None:
         log.scalars(self.step, {"loss": loss, "lr": lr, "elapsed_s": round(elapsed, 2)})
         if not self.quiet:
             tqdm.write(f"step {self.step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
+
+
+def total_steps(config: TrainConfig, task, quiet: bool) -> int:
+    """run.steps, or run.epochs of the task's steps per epoch (said when it replaces run.steps)."""
+    run = config.run
+    if run.epochs is None:
+        return run.steps
+    per_epoch = task.steps_per_epoch
+    if not quiet:
+        print(f"run.epochs={run.epochs}: {run.epochs} x {per_epoch} steps = {run.epochs * per_epoch} steps "
+              f"(instead of run.steps={run.steps})")
+    return run.epochs * per_epoch
+
+
+def cache_only(trainer: Trainer) -> Path:
+    """`slidefusion cache`: the latents and text states a run of this config needs, and nothing else."""
+    prepare_cache = getattr(trainer.task, "prepare_cache", None)
+    if prepare_cache is None:
+        raise UserError("slidefusion cache applies to fine-tunes of diffusers folders (model.pretrained=DIR); "
+                        "our own models encode each batch as they train")
+    with trainer.lock():
+        prepare_cache()
+    return trainer.task.cache.root
 
 
 def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False):

@@ -45,7 +45,7 @@ def rules_for(data, temporal: int, step: int) -> Rules:
 
 def candidate_buckets(data, rules: Rules) -> list[Bucket]:
     """Every bucket a clip could land in (aspect buckets x frame buckets, fixed source sizes)."""
-    sides = set(rules._aspects or [rules.size])
+    sides = set(rules.sides())
     for source, _ in data.sources() if data.kind == "folder" else ():
         if source.resolution is not None:
             sides.add((source.resolution[1], source.resolution[0]))
@@ -88,6 +88,8 @@ class FolderData:
                 print(f"data: {skipped} file(s) skipped (run without --quiet for the table)")
             buckets, repeats = self.dataset.buckets, self.dataset.repeats
         else:
+            if data.ignored_buckets() and not quiet:
+                print(data.ignored_buckets())
             self.dataset = dataset_of(data)
             buckets, repeats = [Bucket(data.frames, data.height, data.width)] * len(self.dataset), [1] * len(self.dataset)
         self.batches = BucketBatches(buckets, repeats, run.batch_size * run.grad_accum, run.seed)
@@ -122,7 +124,9 @@ def data_rules(data, adapter, model, vae_config) -> tuple[Rules, Bucket]:
     temporal, spatial = video_vae_factors(config)
     temporal = 1 if config.get("_class_name") in IMAGE_VAES else int(temporal or 1)
     step = int(spatial or 1) * max(adapter.patch_size(model)[1:])
-    rules = rules_for(data, temporal, step)
+    rules = rules_for(data, temporal, step) if data.kind == "folder" else None
+    if data.kind != "folder":  # the procedural shapes: one size (`FolderData` notes ignored bucket keys)
+        rules = Rules((data.frames,), (data.height, data.width), None, step)
     bucketed = data.kind == "folder" and (data.resolution is not None or data.frame_buckets is not None
                                           or any(s.resolution for s, _ in data.sources()))
     latent_of = lambda b: latent_shape(adapter, model, vae_config, b.frames, b.height, b.width)  # noqa: E731
@@ -135,3 +139,26 @@ def data_rules(data, adapter, model, vae_config) -> tuple[Rules, Bucket]:
         return rules, only
     what = "data.frame_buckets / data.resolution"
     return rules, check_buckets(candidate_buckets(data, rules), latent_of, what)
+
+
+def micro_batch_loss(task, part: list[tuple[int, int]], step: int, weight: float):
+    """The loss of one micro-batch of a `FolderTask` as a function of the model, scaled by `weight`
+    (its share of the step's clips): cached latents and text, each sample's caption dropout,
+    timestep and noise from `sample_generator`."""
+    seed, dropout = task.config.run.seed, task.config.diffusion.caption_dropout
+    generators = [sample_generator(seed, step, position) for position, _ in part]
+    indices = [index for _, index in part]
+    captions = ["" if torch.rand((), generator=g).item() < dropout else task.captions[i]
+                for g, i in zip(generators, indices)]
+    latents = task.cache.latents(indices)
+    t, noise = task.objective.draw(latents.shape, task.adapter.tokens(task.model, latents.shape), generators)
+    latents, t, noise = latents.to(task.device), t.to(task.device), noise.to(task.device)
+    text = task.cache.text(captions)
+    text = type(text)(text.states.to(task.device), None if text.mask is None else text.mask.to(task.device),
+                      None if text.pooled is None else text.pooled.to(task.device))
+
+    def loss(model) -> torch.Tensor:
+        value = task.objective.loss_at(model, latents, text, t, noise)
+        return value if weight == 1.0 else value * weight
+
+    return loss

@@ -39,7 +39,7 @@ from slidefusion.offload import OffloadEngine
 from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
-from slidefusion.training.finetune.batches import FolderData, data_rules, sample_generator
+from slidefusion.training.finetune.batches import FolderData, data_rules, micro_batch_loss
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
 from slidefusion.training.task import ResidentOptimizer
@@ -120,7 +120,7 @@ class FolderTask:
         self.model, self.optimizer, self.cache = meta, None, None
         self.validator = Validator(config, self, quiet) if config.validate.enabled else None  # its checks, before the scan
         self.data = FolderData(config, self.rules, quiet)  # every file probed, the skip table printed
-        self.dataset = self.data.dataset
+        self.dataset, self.steps_per_epoch = self.data.dataset, self.data.steps_per_epoch
         self.captions = [self.data.caption(i) for i in range(len(self.dataset))]
         if self.validator is not None:
             self.validator.scan(self.rules)
@@ -141,15 +141,12 @@ class FolderTask:
             self.cache = self._cache(self.run_dir, self.quiet)
         return self.cache
 
-    def cache_root(self) -> Path:
-        return Path(self.config.data.cache_dir) if self.config.data.cache_dir else self.run_dir / "cache"
-
     def _cache(self, run_dir: Path, quiet: bool) -> FinetuneCache:
         from slidefusion.pretrained import PretrainedParts
 
         text = self.adapter.text
         text_components = [*text.encoders, *text.tokenizers]
-        root = self.cache_root()
+        root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
         identities = component_identity(self.folder, ["vae"]), component_identity(self.folder, text_components)
         cache = FinetuneCache(root, self.config.data, self.dataset, *identities, text)
         caches = [(cache, [*self.captions, ""])]
@@ -234,31 +231,8 @@ class FolderTask:
         `generator` is the trainer's step stream, unused: every sample has its own."""
         parts = self.data.micro_batches(step)
         total = sum(len(p) for p in parts)
-        fns = [self._micro_loss(part, step, len(part) / total) for part in parts]
+        fns = [micro_batch_loss(self, part, step, len(part) / total) for part in parts]
         return fns[0] if len(fns) == 1 else fns
-
-    def _micro_loss(self, part: list[tuple[int, int]], step: int, weight: float):
-        seed, dropout = self.config.run.seed, self.config.diffusion.caption_dropout
-        generators = [sample_generator(seed, step, position) for position, _ in part]
-        indices = [index for _, index in part]
-        captions = ["" if torch.rand((), generator=g).item() < dropout else self.captions[i]
-                    for g, i in zip(generators, indices)]
-        latents = self.cache.latents(indices)
-        t, noise = self.objective.draw(latents.shape, self.adapter.tokens(self.model, latents.shape), generators)
-        latents, t, noise = latents.to(self.device), t.to(self.device), noise.to(self.device)
-        text = self.cache.text(captions)
-        text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
-                          None if text.pooled is None else text.pooled.to(self.device))
-
-        def loss(model: nn.Module) -> torch.Tensor:
-            value = self.objective.loss_at(model, latents, text, t, noise)
-            return value if weight == 1.0 else value * weight
-
-        return loss
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.data.steps_per_epoch
 
     def describe_data(self) -> str:
         """The bucket table printed before step 1."""

@@ -181,3 +181,22 @@ def test_missing_wandb_is_one_line_before_any_work(tiny_wan_dir, media, tmp_path
     assert main(_args(tiny_wan_dir, media, tmp_path, "nowandb", "run.wandb=proj")) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "pip install 'slidefusion[wandb]'" in err and not (tmp_path / "nowandb").exists()
+
+
+def test_device_auto_says_which_it_chose(tmp_path, capsys):
+    config = load_config("configs/tiny.yaml", ["run.device=auto", "data.frames=2", "data.height=8", "data.width=8",
+                                               "run.steps=1", f"run.output_dir={tmp_path}"])
+    trainer = Trainer(config)
+    assert trainer.config.run.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert f"run.device=auto: training on {trainer.config.run.device}" in capsys.readouterr().out
+
+
+def test_our_own_models_take_grad_accum_epochs_and_a_schedule(tmp_path):
+    config = load_config("configs/tiny.yaml", ["data.frames=2", "data.height=8", "data.width=8", "data.num_samples=6",
+                                               "run.batch_size=2", "run.grad_accum=2", "run.epochs=2", "optim.schedule=linear",
+                                               "optim.warmup_steps=0", "run.log_every=1", f"run.output_dir={tmp_path}"])
+    trainer = Trainer(config, quiet=True)
+    assert trainer.total_steps == 2 * 2  # ceil(6 clips / (2 x 2)) steps per epoch
+    assert len(trainer.train().losses) == 4
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines())]
+    assert lrs == pytest.approx([config.optim.lr * (1 - k / 4) for k in range(4)])

@@ -83,15 +83,15 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{k}": v for k, v in numbers.items()}, step=step)
 
-    def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
-        """uint8 (T, H, W, 3) to TensorBoard and W&B (the mp4 on disk is the caller's)."""
+    def video(self, tag: str, frames: np.ndarray, step: int, fps: float, path: Path) -> None:
+        """A sample video: uint8 frames (T, H, W, 3) to TensorBoard, its mp4 file `path` to W&B
+        (a file needs no moviepy there)."""
         if self.writer is not None:
             add_tensorboard_video(self.writer, tag, frames, step, fps)
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({tag: wandb.Video(frames.transpose(0, 3, 1, 2), fps=int(round(fps)), format="gif")},
-                           step=step)
+            self.wandb.log({tag: wandb.Video(str(path), format="mp4")}, step=step)
 
     def close(self) -> None:
         self.file.close()

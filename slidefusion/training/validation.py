@@ -131,7 +131,7 @@ class Validator:
             latents = self.sample_latents(model, trainer.device, prompt, self.config.validate.seed + i)
             video = self._decode(latents, trainer.device)  # (3, F, H, W) in [-1, 1]
             path = write_video(folder / f"{i:02d}-{_slug(prompt)}.mp4", video, fps=self.task.adapter.fps)
-            log.video(f"validate/{i:02d}", to_uint8(video), trainer.step, self.task.adapter.fps)
+            log.video(f"validate/{i:02d}", to_uint8(video), trainer.step, self.task.adapter.fps, path)
             written.append(path)
         return written
 

@@ -163,7 +163,7 @@ def test_wandb_gets_the_numbers_and_the_samples(tiny_wan_dir, media, tmp_path, m
             calls.append(("finish",))
 
     fake.init = lambda **kwargs: calls.append(("init", kwargs["project"], kwargs["id"])) or Run()
-    fake.Video = lambda frames, fps, format: ("video", frames.shape, fps, format)
+    fake.Video = lambda path, format: ("video", path, format)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "wandb" else None)
     validate = ["validate.prompts=[a fox]", "validate.every=2", "validate.steps=1", "validate.frames=1",

@@ -132,6 +132,8 @@ class OwnModelTask:
 
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
         self.config, self.device = config, device
+        check(not config.validate.enabled, "validate.prompts and validate.data apply to fine-tunes of diffusers folders "
+                                           "(model.pretrained=DIR); sample our own models with generate --checkpoint")
         data = config.data
         self.autoencoder = build_autoencoder(config.autoencoder).to(device)
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size

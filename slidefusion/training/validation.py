@@ -10,6 +10,9 @@ the model exists. They go to RUN/samples/step-N/NN-<prompt>.mp4 and to TensorBoa
 The held-out loss (`validate.data`) is the training loss of every held-out clip at FIXED_T fixed
 timesteps (evenly spaced quantiles of the training distribution) with noise from fixed seeds, so
 it moves only when the weights do.
+
+Samples are drawn from the weights being trained; with `optim.ema_decay` set, `generate --checkpoint`
+samples the EMA copy instead. A folder with two transformers (Wan 2.2 A14B) is not sampled here.
 """
 
 from __future__ import annotations

@@ -296,6 +296,7 @@ CASES = [
     ("{ft} data.kind=folder data.root={captioned} 'data.frame_buckets=[9]'", "none of its 1 files is usable (1 too short)"),
     ("train {tiny} data.kind=folder data.root={folder} data.resolution=64", "data.resolution applies to fine-tunes"),
     ("cache {tiny} run.output_dir={cwd}/r", "slidefusion cache applies to fine-tunes of diffusers folders"),
+    ("train {tiny} 'validate.prompts=[a red circle]' run.output_dir={cwd}/r", "validate.prompts and validate.data apply to"),
     ("cache", "required: config"), ("cache {tiny} --bogus", "unrecognized arguments"),
     ("{cache} data.kind=folder data.root={uncaptioned}", "none of its 1 files is usable"),
 ]

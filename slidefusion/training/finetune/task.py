@@ -225,7 +225,7 @@ class FolderTask:
         return engine
 
     # ---------------------------------------------------------------- the trainer's seam
-    def loss_fn(self, generator: torch.Generator, step: int = 0):
+    def loss_fn(self, generator: torch.Generator, step: int):
         """Step `step`'s loss as a function of the model (one micro-batch), or a list of them, each
         scaled by its share of the step's clips (`run.grad_accum`); see `batches` for the draws.
         `generator` is the trainer's step stream, unused: every sample has its own."""

@@ -6,8 +6,8 @@ trainer validated instead of repeating them.
 
 from dataclasses import dataclass
 
-from slidefusion import validate
-from slidefusion.errors import check
+from slidefusion.core import validate
+from slidefusion.core.errors import check, choose
 
 SCHEDULES = ("constant", "linear", "cosine")  # after warm-up: keep lr, or decay it to min_lr by the last step
 LR_MAX = 1.0  # AdamW moves each weight by up to about lr per step; beyond 1 nothing trains, and
@@ -36,7 +36,7 @@ class OptimConfig:
         validate.finite(self.eps, "optim.eps", 0, low_open=True)
         validate.finite(self.weight_decay, "optim.weight_decay", 0)
         check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        check(self.schedule in SCHEDULES, f"optim.schedule={self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        choose(self.schedule, SCHEDULES, "optim.schedule")
         validate.finite(self.min_lr, "optim.min_lr", 0, self.lr)
         if self.max_grad_norm is not None:
             validate.finite(self.max_grad_norm, "optim.max_grad_norm", 0, low_open=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 MAX_RATIO = 4.0  # the most elongated bucket (4:1 either way): a 1:8 panorama is cropped to 1:4
 

@@ -20,18 +20,7 @@ import math
 
 import numpy as np
 
-from slidefusion.errors import check
-
-MODES = ("head", "chunk", "slide", "uniform")
-
-
-def check_mode(mode: str, stride: int, count: int, key: str) -> None:
-    """A UserError naming `key` if the extraction is not one of MODES with a valid stride / count."""
-    check(mode in MODES, f"{key}.frames={mode!r} is unknown; valid: {', '.join(MODES)}")
-    check(isinstance(stride, int) and stride >= 1, f"{key}.stride={stride!r} must be an int >= 1 (frames between "
-                                                   "the starts of two clips with frames=slide)")
-    check(isinstance(count, int) and count >= 1, f"{key}.count={count!r} must be an int >= 1 (clips per file "
-                                                 "with frames=uniform)")
+MODES = ("head", "chunk", "slide", "uniform")  # `SourceConfig.frames` (checked there)
 
 
 def timeline(frames: int, source_fps: float | None, fps: float | None, step: int = 1) -> np.ndarray | None:

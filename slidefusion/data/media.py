@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from slidefusion.data.video_io import _DECODE_ERRORS, _gif_base_ms, _gif_repeats, _one_line, _read_gif
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif")

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from slidefusion.core.errors import UserError, check
 from slidefusion.data import frames as extraction
-from slidefusion.data.buckets import Bucket, aspect_buckets, frame_bucket, nearest_bucket, target_area
+from slidefusion.data.buckets import Bucket, aspect_buckets, frame_bucket, nearest_bucket
+from slidefusion.data.config import SourceConfig
 from slidefusion.data.folder import _hidden, caption_table, resize_center_crop
 from slidefusion.data.media import MEDIA_SUFFIXES, MediaInfo, is_supported, probe, read_windows
-from slidefusion.errors import UserError, check
 
 NO_CAPTION, UNREADABLE, TOO_SHORT, UNSUPPORTED = "no caption", "unreadable", "too short", "unsupported type"
 TOO_SLOW, BAD_CAPTION = "slower than fps", "caption not UTF-8"
@@ -41,37 +42,6 @@ REASONS = (NO_CAPTION, UNREADABLE, TOO_SHORT, UNSUPPORTED, TOO_SLOW, BAD_CAPTION
 TABLES = ("captions.csv", "captions.jsonl")
 RESIZE = "cover+centre-crop, bilinear antialiased"  # part of every cached clip's identity
 PROBE_THREADS = 8  # probing waits on ffmpeg processes, not on Python
-
-
-@dataclass
-class SourceConfig:
-    """One folder of a dataset (`data.datasets` entries); see the module docstring."""
-
-    root: str
-    repeats: int = 1
-    caption_extension: str = ".txt"
-    frames: str = "head"
-    stride: int = 1  # frames=slide: timeline frames between the starts of two clips
-    count: int = 1  # frames=uniform: clips per file
-    fps: float | None = None  # resample to this rate; null: the file's own frames
-    frame_step: int = 1  # without fps: every frame_step-th frame (data.stride of the single-folder keys)
-    resolution: list[int] | None = None  # [width, height]: one fixed size for this source
-
-    def check(self, key: str) -> None:
-        """A UserError naming `key` (e.g. data.datasets[1]) for a value no scan could use."""
-        check(isinstance(self.root, str) and self.root.strip() != "", f"{key}.root must name a folder")
-        check(self.repeats >= 1, f"{key}.repeats={self.repeats} must be >= 1")
-        ext = self.caption_extension
-        check(isinstance(ext, str) and ext.startswith(".") and len(ext) > 1 and "/" not in ext,
-              f"{key}.caption_extension={ext!r} must look like .txt")
-        check(ext.lower() not in MEDIA_SUFFIXES, f"{key}.caption_extension={ext!r} is a media type")
-        extraction.check_mode(self.frames, self.stride, self.count, key)
-        check(self.fps is None or 0 < self.fps <= 1000, f"{key}.fps={self.fps} must be in (0, 1000] or null")
-        check(self.frame_step >= 1, f"{key}.frame_step={self.frame_step} must be >= 1")
-        check(self.fps is None or self.frame_step == 1, f"{key}: fps and frame_step exclude each other")
-        if self.resolution is not None:
-            check(len(self.resolution) == 2 and all(s >= 1 for s in self.resolution),
-                  f"{key}.resolution={self.resolution} must be [width, height]")
 
 
 @dataclass(frozen=True)

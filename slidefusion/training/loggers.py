@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 
 def tensorboard_writer(run_dir: Path):

@@ -23,15 +23,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from slidefusion import validate
-from slidefusion.errors import NonFiniteError, UserError
+from slidefusion.core import validate
+from slidefusion.core.errors import NonFiniteError, UserError
+from slidefusion.io.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, save_checkpoint
+from slidefusion.io.files import write_text
 from slidefusion.training import optimizer_state
-from slidefusion.training.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, load_matching, save_checkpoint
 from slidefusion.training.config import OptimConfig, TrainConfig, build
 from slidefusion.training.loggers import RunLog
 from slidefusion.training.run_folder import LOCK_NAME, RunLock, remove_stale_temporaries, truncate_metrics
 from slidefusion.training.schedule import lr_at
 from slidefusion.training.task import OwnModelTask, ResidentOptimizer  # noqa: F401  (ResidentOptimizer: re-exported)
+from slidefusion.training.weights import load_matching
 
 
 class EMA:
@@ -53,14 +55,14 @@ def warmup_lr(optim: OptimConfig, step: int, total: int | None = None) -> float:
     return lr_at(optim, step, total if total is not None else optim.warmup_steps + 1)
 
 
-def resolve_device(name: str, quiet: bool) -> str:
-    """`run.device`, with `auto` resolved to the GPU when there is one (and said which)."""
-    if str(name).strip().lower() != "auto":
-        return name
-    chosen = "cuda" if torch.cuda.is_available() else "cpu"
+def resolve_device(config: TrainConfig, quiet: bool) -> TrainConfig:
+    """`config` with `run.device=auto` resolved (`RunConfig.resolved_device`), and said which."""
+    if not config.run.auto_device:
+        return config
+    chosen = config.run.resolved_device()
     if not quiet:
         print(f"run.device=auto: training on {chosen}" + ("" if chosen == "cuda" else " (no CUDA device here)"))
-    return chosen
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, device=chosen))
 
 
 def check_loggers(config: TrainConfig) -> None:
@@ -90,10 +92,7 @@ class Trainer:
     """Owns the pieces of one run and its loop; build it from a `TrainConfig`."""
 
     def __init__(self, config: TrainConfig, quiet: bool = False):
-        device = resolve_device(config.run.device, quiet)
-        if device != config.run.device:
-            config = dataclasses.replace(config, run=dataclasses.replace(config.run, device=device))
-        self.config = config
+        self.config = config = resolve_device(config, quiet)
         self.quiet = quiet
         validate.output_path(config.run.output_dir, "run.output_dir", folder=True)  # before any work
         check_loggers(config)
@@ -152,9 +151,7 @@ class Trainer:
                                 "continue it with --resume latest, or choose another run.name (nothing was changed)")
             self._continues = True
         truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        tmp = self.run_dir / ".config.json.tmp"
-        tmp.write_text(json.dumps(self.config.to_dict(), indent=2))
-        tmp.replace(self.run_dir / "config.json")
+        write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2))
 
     # -- starting points ------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Samples are what `slidefusion generate --checkpoint RUN/checkpoint-N` would make
 size, steps, guidance and seed: the folder's scheduler loop (`pretrained.denoise`) on the model being
 trained, the prompt's text states from the run's cache (encoded once, as the captions are), noise
 from `seed + i` for prompt i, decoded by the folder's VAE. Under --offload the model is the engine's:
-each forward streams the blocks from its host weights (`offload.inference`), so no second copy of
+each forward streams the blocks from its host weights (`offload.engine.inference`), so no second copy of
 the model exists. They go to RUN/samples/step-N/NN-<prompt>.mp4 and to TensorBoard / W&B.
 
 The held-out loss (`validate.data`) is the training loss of every held-out clip at FIXED_T fixed
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 FIXED_T = 4  # timesteps per held-out clip
 
@@ -52,10 +52,8 @@ class Validator:
                 raise UserError(f"validate.frames/height/width {list(self.size)}: {error}") from None
         self.heldout, self.cache, self.heldout_cache, self.vae = None, None, None, None
 
-    def _vae_config(self):
-        from slidefusion.pretrained.folder import read_json
-
-        return read_json(self.task.folder.component_dir("vae") / "config.json", "VAE config")
+    def _vae_config(self) -> dict:
+        return self.task.vae_config  # read once, by `open_source`
 
     def scan(self, rules) -> None:
         """The held-out clips (`validate.data`), scanned and tabled as the training data."""
@@ -104,7 +102,7 @@ class Validator:
         from slidefusion.offload import OffloadEngine
 
         if isinstance(trainer.optimizer, OffloadEngine):
-            from slidefusion.offload.inference import streamed_inference
+            from slidefusion.offload.engine.inference import streamed_inference
 
             return streamed_inference(trainer.optimizer)
         return _no_grad()

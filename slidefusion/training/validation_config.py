@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slidefusion import validate
+from slidefusion.core import validate
 from slidefusion.data.sources import SourceConfig
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 
 @dataclass

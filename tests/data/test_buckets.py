@@ -7,7 +7,7 @@ import pytest
 
 from slidefusion.data.buckets import (Bucket, BucketBatches, aspect_buckets, check_frame_buckets, format_bucket_table,
                                       frame_bucket, nearest_bucket, pixels_kept, target_area)
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 
 def test_aspect_buckets_fill_the_area_in_steps_of_the_stride():

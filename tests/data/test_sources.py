@@ -10,7 +10,7 @@ from slidefusion.data.buckets import Bucket
 from slidefusion.data.media import probe, read_windows
 from slidefusion.data.sources import (NO_CAPTION, TOO_SHORT, TOO_SLOW, UNREADABLE, UNSUPPORTED, BAD_CAPTION, Rules,
                                       SourceConfig, format_table, scan)
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.testing.media import make_folder, ramp, write_media
 
 # name, frames, height, width: every supported suffix, landscape and portrait, stills and short clips

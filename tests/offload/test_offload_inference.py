@@ -1,4 +1,4 @@
-"""Forward passes outside training on an engine's model (`offload.inference.streamed_inference`):
+"""Forward passes outside training on an engine's model (`offload.engine.inference.streamed_inference`):
 the blocks stream from the host weights (no second copy of the model), the outputs equal the
 resident model's, before and after an update, and the model is left bound to its host buffers."""
 
@@ -6,11 +6,10 @@ import copy
 
 import torch
 
-from slidefusion.adapters import adapter_for
-from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.engine import _record
-from slidefusion.offload.inference import streamed_inference
-from slidefusion.offload.training import engine_blocks
+from slidefusion.families import adapter_for
+from slidefusion.offload import OffloadEngine, OffloadPolicy, engine_blocks
+from slidefusion.offload.engine.engine import _record
+from slidefusion.offload.engine.inference import streamed_inference
 from slidefusion.optim import OptimConfig
 from slidefusion.testing.tiny import tiny_latents, tiny_model, tiny_text
 

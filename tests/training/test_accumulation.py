@@ -7,9 +7,8 @@ import copy
 import pytest
 import torch
 
-from slidefusion.adapters import adapter_for
-from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.training import engine_blocks
+from slidefusion.families import adapter_for
+from slidefusion.offload import OffloadEngine, OffloadPolicy, engine_blocks
 from slidefusion.optim import OptimConfig
 from slidefusion.testing.tiny import tiny_latents, tiny_model, tiny_text
 from slidefusion.training.task import ResidentOptimizer
@@ -23,8 +22,8 @@ OPTIM = dict(lr=1e-2, eps=0.1, weight_decay=0.01, warmup_steps=0, ema_decay=None
 def _model(lora: bool):
     model = tiny_model("wan").train()
     if lora:
-        from slidefusion.training.finetune import lora as lora_lib
-        from slidefusion.training.finetune.config import LoraConfig
+        from slidefusion.pretrained import lora as lora_lib
+        from slidefusion.pretrained.config import LoraConfig
 
         lora_lib.add_lora(model, LoraConfig(rank=4), adapter_for(model).lora_targets)
         weights = lora_lib.initial_lora_weights(model, seed=1)

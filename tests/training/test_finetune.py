@@ -179,8 +179,8 @@ def test_bf16_offloaded_tracks_resident_under_autocast(tiny_pipeline_dir, tmp_pa
 
 
 def test_an_offload_plan_that_does_not_fit_is_refused_before_any_cache(tiny_pipeline_dir, tmp_path, monkeypatch, capsys):
-    import slidefusion.offload.training as seam
-    from slidefusion.errors import UserError
+    import slidefusion.offload.plan.resolve as seam
+    from slidefusion.core.errors import UserError
 
     def refuse(plan):
         raise UserError("does not fit: host needs 215 GB but has 128 GB")

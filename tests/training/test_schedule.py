@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.optim import OptimConfig
 from slidefusion.training.schedule import lr_at
 

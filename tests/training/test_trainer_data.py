@@ -134,7 +134,7 @@ def test_cache_then_train_reuses_the_caches(tiny_wan_dir, media, tmp_path):
 
 
 def test_a_failed_run_leaves_no_run_folder(tiny_wan_dir, media, tmp_path, monkeypatch, capsys):
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
     from slidefusion.training.finetune.caches import FinetuneCache
 
     assert main(_args(tiny_wan_dir, media, tmp_path, "strict", *BUCKETED, "data.strict=true")) == 2

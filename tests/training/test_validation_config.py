@@ -2,7 +2,7 @@
 
 import pytest
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.training.validation_config import ValidateConfig
 
 

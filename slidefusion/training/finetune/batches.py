@@ -20,8 +20,8 @@ import hashlib
 import torch
 
 from slidefusion.data.buckets import Bucket, BucketBatches, check_frame_buckets, format_bucket_table, target_area
-from slidefusion.data.sources import ClipSet, Rules, format_table, scan
-from slidefusion.errors import UserError
+from slidefusion.data.sources import Rules, format_table, scan
+from slidefusion.core.errors import UserError
 
 
 def sample_generator(seed: int, step: int, position: int) -> torch.Generator:
@@ -107,22 +107,29 @@ class FolderData:
         return [batch[k:k + self.batch_size] for k in range(0, len(batch), self.batch_size)]
 
     def caption(self, index: int) -> str:
-        if isinstance(self.dataset, ClipSet):
-            return self.dataset.captions[index]
-        from slidefusion.training.finetune.task import dataset_caption
-
         return dataset_caption(self.dataset, index)
+
+
+def dataset_caption(dataset, index: int) -> str:
+    """A clip's caption without decoding its video where the dataset allows."""
+    if hasattr(dataset, "captions"):
+        return dataset.captions[index]
+    if hasattr(dataset, "scene"):
+        from slidefusion.data import caption
+
+        return caption(dataset.scene(index))
+    return dataset[index]["caption"]
 
 
 def data_rules(data, adapter, model, vae_config) -> tuple[Rules, Bucket]:
     """The buckets of `data` for a folder's VAE and transformer (`model`: meta is enough), each
     checked (a UserError names the key and the bucket), and the one with the most latent tokens."""
     from slidefusion.pretrained import latent_shape
-    from slidefusion.vae.base import IMAGE_VAES, video_vae_factors
+    from slidefusion.vae.base import is_image_vae_class, video_vae_factors
 
     config = vae_config if hasattr(vae_config, "get") else vars(vae_config)
     temporal, spatial = video_vae_factors(config)
-    temporal = 1 if config.get("_class_name") in IMAGE_VAES else int(temporal or 1)
+    temporal = 1 if is_image_vae_class(config.get("_class_name", "")) else int(temporal or 1)
     step = int(spatial or 1) * max(adapter.patch_size(model)[1:])
     rules = rules_for(data, temporal, step) if data.kind == "folder" else None
     if data.kind != "folder":  # the procedural shapes: one size (`FolderData` notes ignored bucket keys)
@@ -139,6 +146,19 @@ def data_rules(data, adapter, model, vae_config) -> tuple[Rules, Bucket]:
         return rules, only
     what = "data.frame_buckets / data.resolution"
     return rules, check_buckets(candidate_buckets(data, rules), latent_of, what)
+
+
+class ClipSizes:
+    """The run's clip sizes for `pretrained.source.open_source`: called with the folder's adapter,
+    meta model and VAE config, it checks every bucket (`data_rules`), keeps the `rules` and returns
+    the largest bucket's (frames, height, width), which sizes the latents and the memory plan."""
+
+    def __init__(self, data):
+        self.data, self.rules = data, None
+
+    def __call__(self, adapter, model, vae_config: dict) -> tuple[int, int, int]:
+        self.rules, largest = data_rules(self.data, adapter, model, vae_config)
+        return largest.frames, largest.height, largest.width
 
 
 def micro_batch_loss(task, part: list[tuple[int, int]], step: int, weight: float):

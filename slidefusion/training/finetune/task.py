@@ -24,52 +24,39 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import astuple
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from slidefusion import memory
-from slidefusion.errors import UserError, check
-from slidefusion.offload.shapes import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
-from slidefusion.offload.spill import check_spill_dir
-from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
-from slidefusion.offload import OffloadEngine
-from slidefusion.offload.training import engine_blocks, fitting_policy
-from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
-from slidefusion.training.finetune import lora as lora_lib
-from slidefusion.training.finetune.batches import FolderData, data_rules, micro_batch_loss
+from slidefusion.core.errors import UserError, check
+from slidefusion.offload import OffloadEngine, engine_blocks
+from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
+from slidefusion.offload.tiling.tile_runner import tiling_refusal
+from slidefusion.pretrained import lora as lora_lib
+from slidefusion.swap import is_offset_weight, slide_offset_weights, use_slide_attention
+from slidefusion.training.finetune.batches import ClipSizes, FolderData, micro_batch_loss
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer
+from slidefusion.training.task import ResidentOptimizer, offload_policy
 from slidefusion.training.validation import Validator
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
 
 
-def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
-    """What the offload planner needs of a diffusers transformer (built on meta is enough)."""
-    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in adapter.blocks(model))
+def model_shape(model: nn.Module, adapter, blocks, attention: str) -> ModelShape:
+    """What the offload planner needs of a diffusers transformer (built on meta is enough) whose
+    blocks in call order are `blocks`."""
+    counts = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     hidden = heads * int(cfg.attention_head_dim)
     ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
-    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
+    rest = sum(p.numel() for p in model.parameters()) - sum(counts)
+    return ModelShape(adapter.class_name, counts, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
                       tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
-
-
-def dataset_caption(dataset, index: int) -> str:
-    """A clip's caption without decoding its video where the dataset allows."""
-    if hasattr(dataset, "captions"):
-        return dataset.captions[index]
-    if hasattr(dataset, "scene"):
-        from slidefusion.data import caption
-
-        return caption(dataset.scene(index))
-    return dataset[index]["caption"]
 
 
 class FolderTask:
@@ -80,43 +67,21 @@ class FolderTask:
     lazy = True
 
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
-        from slidefusion.pretrained import build_on_meta, folder_adapter, latent_shape, load_scheduler, open_folder
-        from slidefusion.pretrained.folder import read_json
+        from slidefusion.pretrained.source import open_source
 
         self.config, self.device, cfg = config, device, config.model
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
-        self.folder = folder = open_folder(cfg.pretrained)
-        check(folder.is_pipeline, f"model.pretrained={cfg.pretrained} is a bare transformer folder; training needs a "
-                                  "pipeline folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
-        check(cfg.expert in folder.transformer_names, f"model.expert={cfg.expert} is not in {folder.root}; valid: "
-                                                      f"{', '.join(folder.transformer_names)}")
-        vae_config = read_json(folder.component_dir("vae") / "config.json", "VAE config")
-        self.adapter = adapter = folder_adapter(folder, vae_config, cfg.expert)
-        meta = build_on_meta(folder, cfg.expert)
-        folder.weight_entries(cfg.expert)  # every shard there, before anything is cached
-        self.rules, self.largest = data_rules(config.data, adapter, meta, vae_config)
-        self.latent = latent_shape(adapter, meta, vae_config, *astuple(self.largest))[1:]  # the plan's size
-        self.grid = adapter.token_grid(meta, (1, *self.latent))
-        self.slide = cfg.slide
+        sizes = ClipSizes(config.data)  # the buckets, checked against the folder's VAE and patch
+        source = open_source(cfg.pretrained, cfg.expert, sizes)
+        self.rules = sizes.rules
+        self.folder, self.adapter, self.latent, self.grid = source.folder, source.adapter, source.latent, source.grid
+        self.vae_config, meta, self.slide = source.vae_config, source.meta, cfg.slide
         self._adapt(meta)
         if not quiet:
             self._say_window()
-        expert = next(e for e in folder.experts() if e.name == cfg.expert)
-        ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
-        self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
-        if config.offload.enabled and isinstance(config.offload.tile, int):  # before any cache is written
-            check_tileable(meta, adapter.blocks(meta), config.offload.tile)
-        if config.offload.enabled and config.offload.spill_dir is not None:
-            check_spill_dir(config.offload.spill_dir)
-        self.policy = None
-        if config.offload.enabled:  # the planner's refusal now, not after the caches; the engine takes this plan
-            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
-            self.policy = fitting_policy(meta, config, self.grid, model_shape(meta, adapter, attention))
-        else:
-            params = sum(p.numel() for p in meta.parameters())
-            memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
-                              "training resident", "train with --offload, or use lora.rank")
+        self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
+        self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
         self.model, self.optimizer, self.cache = meta, None, None
         self.validator = Validator(config, self, quiet) if config.validate.enabled else None  # its checks, before the scan
         self.data = FolderData(config, self.rules, quiet)  # every file probed, the skip table printed
@@ -125,6 +90,19 @@ class FolderTask:
         if self.validator is not None:
             self.validator.scan(self.rules)
         self.run_dir, self.quiet = run_dir, quiet
+
+    def _fit(self, meta: nn.Module, device: torch.device):
+        """The engine's resolved policy with --offload (the engine takes this plan), else the resident
+        memory check; None when resident."""
+        if self.config.offload.enabled:
+            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
+            self.blocks = engine_blocks(meta, self.adapter)  # what the engine will stream: `prepare` builds it on these
+            shape = model_shape(meta, self.adapter, self.blocks, attention)
+            return offload_policy(self.config, meta, self.blocks, self.grid, shape)
+        params = sum(p.numel() for p in meta.parameters())
+        memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
+                          "training resident", "train with --offload, or use lora.rank")
+        return None
 
     def prepare(self) -> None:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
@@ -136,14 +114,12 @@ class FolderTask:
     # ---------------------------------------------------------------- caches
     def prepare_cache(self) -> FinetuneCache:
         """Every clip's latents and every caption's (and validation prompt's) text states, computed
-        where missing; `slidefusion cache` stops here."""
-        if self.cache is None:
-            self.cache = self._cache(self.run_dir, self.quiet)
-        return self.cache
-
-    def _cache(self, run_dir: Path, quiet: bool) -> FinetuneCache:
+        where missing, once; `slidefusion cache` stops here."""
         from slidefusion.pretrained import PretrainedParts
 
+        if self.cache is not None:
+            return self.cache
+        run_dir, quiet = self.run_dir, self.quiet
         text = self.adapter.text
         text_components = [*text.encoders, *text.tokenizers]
         root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
@@ -161,6 +137,7 @@ class FolderTask:
                 print(f"cached {written} files under {root}")
         elif not quiet:
             print(f"reusing the caches under {root} ({len(self.dataset)} clips, {len(set(self.captions))} captions)")
+        self.cache = cache
         return cache
 
     # ---------------------------------------------------------------- the model
@@ -207,7 +184,7 @@ class FolderTask:
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        engine = OffloadEngine(model, engine_blocks(model), self.policy)
+        engine = OffloadEngine(model, self.blocks, self.policy)
         names = lora_lib.folder_names(model)
         skipped = []
 

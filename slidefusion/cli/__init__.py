@@ -1,6 +1,6 @@
 """The `slidefusion` command: one module per command, each thin: parse, then call library functions.
 
-    train  generate  export  demo  simulate  plan  evaluate  experiment
+    train  cache  generate  export  demo  simulate  plan  evaluate  experiment
 
 Each command module has `add_parser(subparsers)`, which registers its flags and its `run(args)`.
 A user mistake (bad flag, config key, size, path, video) prints one line and exits with code 2; a
@@ -12,11 +12,11 @@ import os
 import sys
 import warnings
 
-from slidefusion.cli import demo, evaluate, experiment, export, generate, plan, simulate, train
+from slidefusion.cli import cache, demo, evaluate, experiment, export, generate, plan, simulate, train
 from slidefusion.cli.args import ArgumentParser, follower_rank, leave_after_rank_zero, one_line, rank_failure
 from slidefusion.core.errors import UserError
 
-COMMANDS = (train, generate, export, demo, simulate, plan, evaluate, experiment)  # in `--help` order
+COMMANDS = (train, cache, generate, export, demo, simulate, plan, evaluate, experiment)  # in `--help` order
 
 
 def parser() -> ArgumentParser:

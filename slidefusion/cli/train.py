@@ -43,4 +43,4 @@ def run(args) -> None:
         print(f"trained {len(result.losses)} steps in {result.seconds:.1f} s; final loss {result.losses[-1]:.4f}; "
               f"checkpoint {result.last_checkpoint}")
     else:
-        print(f"nothing to do: the run is already at step {trainer.step} of {config.run.steps}")
+        print(f"nothing to do: the run is already at step {trainer.step} of {trainer.total_steps}")

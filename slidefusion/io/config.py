@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from slidefusion import validate
-from slidefusion.errors import UserError
+from slidefusion.core import validate
+from slidefusion.core.errors import UserError
 
 PROGRAM_SET = {"config_key": False}  # field metadata: set by the program, never by a config file
 
@@ -61,11 +61,15 @@ def _coerce(value, annotation, key: str):
             except UserError as error:
                 errors.append(error)
         raise errors[0]
+    if dataclasses.is_dataclass(annotation):  # a record inside a list or a union (data.datasets entries)
+        return build(annotation, value, key)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{key}={value!r} must be a list")
         inner = typing.get_args(annotation)
-        return origin(_coerce(v, inner[0], key) for v in value)
+        many = origin is list or (len(inner) == 2 and inner[1] is Ellipsis)
+        indexed = many and dataclasses.is_dataclass(inner[0])  # records of a list are named key[i]
+        return origin(_coerce(v, inner[0], f"{key}[{i}]" if indexed else key) for i, v in enumerate(value))
     if origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key}={value!r} must be a mapping")

@@ -1,23 +1,26 @@
 """`FinetuneSource`: what a fine-tune of one transformer of a pipeline folder needs to know before any
 weight is read, decided in one pass over the folder.
 
-    source = open_source("Wan2.1-T2V-1.3B-Diffusers", "transformer", frames=33, height=480, width=832)
+    source = open_source("Wan2.1-T2V-1.3B-Diffusers", "transformer", (33, 480, 832))
     source.meta            # the transformer on the meta device (parameters take no memory)
     source.latent          # (C, T, H, W) latents of one clip; source.grid: its token grid (T', H', W')
 
 The checks run cheapest first and each once: the folder is a pipeline folder of a supported class,
 the expert is one of its transformers, every weight shard is there, and the clip's size suits the VAE
-and the patch; a mistake is one UserError naming the config key.
+and the patch; a mistake is one UserError naming the config key. A run with several clip sizes
+(buckets) passes a function instead of one size: it checks every size against the folder's facts
+and returns the largest, which `latent` and `grid` (and so the memory plan) then describe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
-from slidefusion.adapters import ModelAdapter
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
+from slidefusion.families import ModelAdapter
 from slidefusion.pretrained.build import build_on_meta
 from slidefusion.pretrained.components import load_scheduler
 from slidefusion.pretrained.folder import PretrainedFolder, open_folder
@@ -31,14 +34,20 @@ class FinetuneSource:
     expert: str  # "transformer", or Wan 2.2 A14B's "transformer_2"
     adapter: ModelAdapter  # with the options the folder's pipeline sets
     meta: nn.Module  # built from config.json on the meta device
+    vae_config: dict  # the VAE's config.json
     latent: tuple[int, int, int, int]  # (C, T, H, W) of one clip
     grid: tuple[int, int, int]  # (T', H', W') tokens of one clip
     timesteps: tuple[float, float] | None  # [low, high) this expert denoises (None: all)
     scheduler: object  # the folder's diffusers scheduler
 
 
-def open_source(path: str, expert: str, frames: int, height: int, width: int) -> FinetuneSource:
-    """See the module docstring; `frames` x `height` x `width` pixels is the training clip."""
+ClipSizes = Callable[[ModelAdapter, nn.Module, dict], tuple[int, int, int]]  # (adapter, meta, VAE config) -> clip
+
+
+def open_source(path: str, expert: str, clip: tuple[int, int, int] | ClipSizes) -> FinetuneSource:
+    """See the module docstring; `clip` is the training clip (frames, height, width) in pixels, or a
+    function of (adapter, meta model, VAE config) that checks the run's sizes and returns the largest
+    (its UserError names its own config keys)."""
     from slidefusion.pretrained.parts import folder_adapter
     from slidefusion.pretrained.sampling import latent_shape
 
@@ -53,9 +62,10 @@ def open_source(path: str, expert: str, frames: int, height: int, width: int) ->
     timesteps = None if len(experts) == 1 else (mine.low, mine.high)
     adapter = folder_adapter(folder, vae_config, expert)  # then the model, its sizes and its scheduler
     meta = build_on_meta(folder, expert)
+    frames, height, width = clip(adapter, meta, vae_config) if callable(clip) else clip
     try:
         latent = latent_shape(adapter, meta, vae_config, frames, height, width)[1:]
     except UserError as error:
         raise UserError(f"data.frames/height/width: {error}") from None
-    return FinetuneSource(folder, expert, adapter, meta, latent, adapter.token_grid(meta, (1, *latent)), timesteps,
-                          load_scheduler(folder))
+    return FinetuneSource(folder, expert, adapter, meta, vae_config, latent, adapter.token_grid(meta, (1, *latent)),
+                          timesteps, load_scheduler(folder))

@@ -8,17 +8,21 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slidefusion import validate
+import torch
+
+from slidefusion.core import validate
+from slidefusion.core.errors import check
 from slidefusion.data.config import DataConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.diffusion.flow import FlowConfig
-from slidefusion.errors import check
 from slidefusion.io.config import build, read_yaml
 from slidefusion.offload.policy import OffloadPolicy
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.run_config import SamplingConfig
+from slidefusion.training.validation_config import ValidateConfig
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a plain folder name: no path, not . or ..
 RUN_SEED_MAX = 2**32 - 1  # step seeds are seed * 1_000_003 + step, which must stay below 2**64
+AUTO_DEVICE = "auto"  # run.device: the GPU when there is one, else the CPU
 
 
 @dataclass
@@ -33,11 +37,14 @@ class RunConfig:
     log_every: int = 10
     save_every: int = 500
     keep_last: int | None = 3  # older checkpoints are deleted; null keeps all
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (the GPU when there is one)
     tensorboard: bool = False
+    grad_accum: int = 1  # micro-batches per optimizer step: a batch of batch_size x grad_accum
+    epochs: int | None = None  # the run's length in epochs instead of run.steps (fine-tunes of folders)
+    wandb: str | None = None  # a Weights & Biases project to log to (WANDB_MODE=offline works)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "log_every", "save_every"):
+        for name in ("steps", "batch_size", "log_every", "save_every", "grad_accum"):
             value = getattr(self, name)
             check(value >= 1, f"run.{name}={value} must be >= 1")
         check(self.keep_last is None or self.keep_last >= 1, f"run.keep_last={self.keep_last} must be >= 1 or null")
@@ -48,17 +55,32 @@ class RunConfig:
         check(bool(str(self.device).strip()), f"run.device={self.device!r} must name a device, e.g. cpu or cuda")
         validate.integer(self.seed, "run.seed", 0, RUN_SEED_MAX)
         check(self.steps <= 2**62, f"run.steps={self.steps} must be <= 2**62")
+        check(self.epochs is None or 1 <= self.epochs <= 2**31, f"run.epochs={self.epochs} must be >= 1 or null")
+        check(self.wandb is None or (isinstance(self.wandb, str) and self.wandb.strip() != "" and "/" not in self.wandb),
+              f"run.wandb={self.wandb!r} must name a W&B project (e.g. my-finetunes) or be null")
+
+    @property
+    def auto_device(self) -> bool:
+        return str(self.device).strip().lower() == AUTO_DEVICE
+
+    def resolved_device(self) -> str:
+        """`device`, with `auto` read as cuda when CUDA has a device here, else cpu."""
+        if not self.auto_device:
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
 class TrainConfig(SamplingConfig):
     """A training run: what it trains (`SamplingConfig`'s sections: the model, LoRA, the video, text
-    encoder and autoencoder) and how (the objective, the optimizer, the run, the offload engine)."""
+    encoder and autoencoder) and how (the objective, the optimizer, the run, the offload engine,
+    validation during training)."""
 
     diffusion: FlowConfig = field(default_factory=FlowConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)  # `enabled` (--offload) trains with the engine
+    validate: ValidateConfig = field(default_factory=ValidateConfig)  # samples and a held-out loss (folders)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:

@@ -20,7 +20,7 @@ from slidefusion import memory
 from slidefusion.data import build_dataset
 from slidefusion.data.shapes import DIRECTIONS, with_other_direction
 from slidefusion.diffusion import contrastive_flow_loss, flow_loss
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError, check
 from slidefusion.models import build_model
 from slidefusion.offload import OffloadEngine, OffloadPolicy, Workload, engine_blocks, fitting_policy
 from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
@@ -49,14 +49,19 @@ class ResidentOptimizer:
             group["lr"] = lr
 
     def train_step(self, loss_fn) -> float:
-        """Forward + backward of `loss_fn(model)`, optional clipping, one AdamW step; the loss."""
+        """Forward + backward of `loss_fn(model)`, optional clipping, one AdamW step; the loss.
+        A list of loss functions (micro-batches, each scaled by its share) adds up their gradients
+        before the one step; returns the sum of their losses."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model)
-        loss.backward()
+        value = 0.0
+        for fn in loss_fn if isinstance(loss_fn, (list, tuple)) else [loss_fn]:
+            loss = fn(self.model)
+            loss.backward()
+            value += loss.item()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        return loss.item()
+        return value
 
     def model_state_dict(self) -> dict:
         """The weights being trained (an offload engine returns its fp32 master copy here)."""
@@ -91,8 +96,22 @@ def data_options(data) -> dict:
     return options
 
 
-def dataset_of(data):
-    """The run's dataset; an error about one of its arguments names the config key ("data.root: ...")."""
+def dataset_of(data, quiet: bool = True):
+    """The run's dataset; an error about one of its arguments names the config key ("data.root: ...").
+    Real files are scanned (`slidefusion.data.sources`) into clips of the one size the keys give,
+    the skip table printed unless `quiet`."""
+    if data.kind == "folder":
+        from slidefusion.data.sources import Rules, format_table, scan
+
+        for name in ("resolution", "frame_buckets"):
+            check(getattr(data, name) is None, f"data.{name} applies to fine-tunes of diffusers folders "
+                                               "(model.pretrained); our own models train on one clip size")
+        dataset, reports = scan(data.sources(), Rules((data.frames,), (data.height, data.width), None, 1), data.strict)
+        if not quiet:
+            print(format_table(reports))
+        return dataset
+    if data.ignored_buckets() and not quiet:
+        print(data.ignored_buckets())
     options = data_options(data)
     try:
         return build_dataset(**options)
@@ -126,6 +145,8 @@ class OwnModelTask:
 
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
         self.config, self.device = config, device
+        check(not config.validate.enabled, "validate.prompts and validate.data apply to fine-tunes of diffusers folders "
+                                           "(model.pretrained=DIR); sample our own models with generate --checkpoint")
         data = config.data
         self.autoencoder = build_autoencoder(config.autoencoder).to(device)
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
@@ -137,7 +158,7 @@ class OwnModelTask:
                                       ema=config.optim.ema_decay is not None, offload=offload)
         memory.check_fits(parts, device, "a training step", "lower run.batch_size, data.frames, data.height "
                           "or data.width, or choose a smaller model" + ("" if offload else ", or train with --offload"))
-        self.dataset = dataset_of(data)
+        self.dataset = dataset_of(data, quiet)
         encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         self.captions = CaptionCache(encoder, run_dir / "captions.safetensors")
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
@@ -150,14 +171,29 @@ class OwnModelTask:
         else:
             self.optimizer = ResidentOptimizer(self.model, config.optim)
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches drawn with replacement: an epoch is as many clips as the dataset holds."""
+        run = self.config.run
+        return max(1, math.ceil(len(self.dataset) / (run.batch_size * run.grad_accum)))
+
+    def describe_data(self) -> str | None:
+        return None
+
     def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
         """A batch of clips (B, 3, T, H, W) and captions, some dropped to "" for CFG."""
         indices, captions = draw_batch(self.dataset, self.config.run.batch_size, self.config.diffusion.caption_dropout,
                                        generator, lambda i: self.dataset[i]["caption"])
         return torch.stack([self.dataset[i]["video"] for i in indices]), captions
 
-    def loss_fn(self, generator: torch.Generator):
-        """The step's loss as a function of the model, as the optimizer seam wants it."""
+    def loss_fn(self, generator: torch.Generator, step: int = 0):
+        """The step's loss as a function of the model, as the optimizer seam wants it; with
+        `run.grad_accum` > 1 a list of micro-batch losses, each scaled by 1 / grad_accum."""
+        accum = self.config.run.grad_accum
+        fns = [self._micro_loss(generator, 1.0 / accum) for _ in range(accum)]
+        return fns[0] if accum == 1 else fns
+
+    def _micro_loss(self, generator: torch.Generator, weight: float):
         video, captions = self.batch(generator)
         with torch.no_grad():
             latents = self.autoencoder.encode(video.to(self.device))
@@ -170,8 +206,10 @@ class OwnModelTask:
         def loss(model: nn.Module) -> torch.Tensor:
             velocity = lambda x, t: model(x, t, states, mask)  # noqa: E731
             if diffusion.direction_contrast > 0:
-                return contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator)
-            return flow_loss(velocity, latents, diffusion, generator)
+                value = contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator)
+            else:
+                value = flow_loss(velocity, latents, diffusion, generator)
+            return value if weight == 1.0 else value * weight
 
         return loss
 

@@ -10,6 +10,7 @@ an offload engine with the same methods can replace `ResidentOptimizer` without 
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import shutil
@@ -36,9 +37,11 @@ from slidefusion.io.checkpoint import (
 from slidefusion.io.files import write_text
 from slidefusion.training import optimizer_state
 from slidefusion.training.config import OptimConfig, TrainConfig, build
+from slidefusion.training.loggers import RunLog
 from slidefusion.training.run_folder import LOCK_NAME, RunLock, remove_stale_temporaries, truncate_metrics
-from slidefusion.training.weights import load_matching
+from slidefusion.training.schedule import lr_at
 from slidefusion.training.task import OwnModelTask, ResidentOptimizer  # noqa: F401  (ResidentOptimizer: re-exported)
+from slidefusion.training.weights import load_matching
 
 
 class EMA:
@@ -55,9 +58,28 @@ class EMA:
             self.shadow[name].lerp_(value.float(), 1 - decay)
 
 
-def warmup_lr(optim: OptimConfig, step: int) -> float:
-    """Linear warm-up over `warmup_steps`, then constant."""
-    return optim.lr * min(1.0, (step + 1) / max(1, optim.warmup_steps))
+def warmup_lr(optim: OptimConfig, step: int, total: int | None = None) -> float:
+    """The learning rate of `step` (`training.schedule.lr_at`; `total` defaults to warm-up + 1 step)."""
+    return lr_at(optim, step, total if total is not None else optim.warmup_steps + 1)
+
+
+def resolve_device(config: TrainConfig, quiet: bool) -> TrainConfig:
+    """`config` with `run.device=auto` resolved (`RunConfig.resolved_device`), and said which."""
+    if not config.run.auto_device:
+        return config
+    chosen = config.run.resolved_device()
+    if not quiet:
+        print(f"run.device=auto: training on {chosen}" + ("" if chosen == "cuda" else " (no CUDA device here)"))
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, device=chosen))
+
+
+def check_loggers(config: TrainConfig) -> None:
+    """The logging packages a config asks for, before any work (one line naming the extra)."""
+    if config.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("run.tensorboard=true needs the tensorboard package: pip install 'slidefusion[tensorboard]'")
+    if config.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"run.wandb={config.run.wandb} needs the wandb package: pip install 'slidefusion[wandb]' "
+                        "(set WANDB_MODE=offline to log without a network)")
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -70,19 +92,22 @@ class TrainResult:
     run_dir: Path
     losses: list[float] = field(default_factory=list)  # one per step run in this call
     last_checkpoint: Path | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # training, validation excluded
+    validation_seconds: float = 0.0
 
 
 class Trainer:
     """Owns the pieces of one run and its loop; build it from a `TrainConfig`."""
 
     def __init__(self, config: TrainConfig, quiet: bool = False):
-        self.config = config
+        self.config = config = resolve_device(config, quiet)
         self.quiet = quiet
         validate.output_path(config.run.output_dir, "run.output_dir", folder=True, inside=True)  # before any work
+        check_loggers(config)
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
         self.task = build_task(config, self.device, self.run_dir, quiet)
+        self.total_steps = total_steps(config, self.task, quiet)
         self.model = self.optimizer = self.ema = None
         if not getattr(self.task, "lazy", False):
             self.prepare()
@@ -117,6 +142,10 @@ class Trainer:
             if removed:
                 warnings.warn(f"removed what an interrupted save left in {self.run_dir}: {', '.join(removed)}")
             yield
+        except UserError as error:
+            if getattr(error, "exit_code", 2) == 2 and lock.created and not checkpoint_steps(self.run_dir):
+                _discard_new_run(self.run_dir)  # a mistake found after the folder was made: leave nothing
+            raise
         finally:
             self._lock = None
             lock.release()
@@ -218,8 +247,10 @@ class Trainer:
         """One warning line if the data a resumed run sees differs from what the checkpoint saw."""
         changes = [f"data.{k} {v!r} -> {getattr(self.config.data, k)!r}" for k, v in vars(saved.data).items()
                    if getattr(self.config.data, k) != v]
-        if saved.run.batch_size != self.config.run.batch_size:
-            changes.append(f"run.batch_size {saved.run.batch_size} -> {self.config.run.batch_size}")
+        for key in ("batch_size", "grad_accum", *(("steps", "epochs") if self.config.optim.schedule != "constant" else ())):
+            old, new = getattr(saved.run, key), getattr(self.config.run, key)
+            if old != new:
+                changes.append(f"run.{key} {old} -> {new}")
         if changes:
             warnings.warn(f"--resume {path}: the data changed since it was saved ({', '.join(changes)}); "
                           "the run continues, but not as the uninterrupted run would have")
@@ -239,8 +270,9 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def loss_fn(self, generator: torch.Generator):
-        """The step's loss as a function of the model, as the optimizer seam wants it."""
-        return self.task.loss_fn(generator)
+        """The step's loss as a function of the model (or, with run.grad_accum, a list: one per
+        micro-batch), as the optimizer seam wants it."""
+        return self.task.loss_fn(generator, self.step)
 
     def _weights(self) -> dict:
         """The weights a checkpoint holds (every weight, or LoRA's adapters only), from the optimizer."""
@@ -281,49 +313,82 @@ class Trainer:
         return path
 
     def train(self, until: int | None = None) -> TrainResult:
-        """Run from the current step to `until` (default: run.steps), logging and checkpointing."""
-        run, until = self.config.run, until or self.config.run.steps
+        """Run from the current step to `until` (default: the run's length), logging, checkpointing
+        and validating; validation time is counted apart from training time."""
+        run, until = self.config.run, until or self.total_steps
         result = TrainResult(self.run_dir)
         with self.lock(), self._nothing_left_on_error():
             self._claim_folder()
             self.prepare()
-            writer = _tensorboard(self.run_dir) if run.tensorboard else None
-            start = time.perf_counter()
+            validator = getattr(self.task, "validator", None)
+            table = self.task.describe_data() if self.step < until else None
+            if table and not self.quiet:
+                print(table)
+            log = RunLog(self.run_dir, self.config)
+            start, self.validation_s = time.perf_counter(), 0.0
             bar = tqdm(total=until, initial=self.step, desc=run.name, disable=self.quiet, dynamic_ncols=True)
             self.model.train()
             try:
-                with open(self.run_dir / "metrics.jsonl", "a") as log:
-                    while self.step < until:
-                        lr = warmup_lr(self.config.optim, self.step)
-                        self.optimizer.set_lr(lr)
-                        loss = self.optimizer.train_step(self.loss_fn(step_generator(run.seed, self.step)))
-                        self.check_finite(loss, lr)
-                        if self.ema is not None:
-                            self.ema.update(self._weights(), self.step)
-                        self.step += 1
-                        result.losses.append(loss)
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss:.4f}")
-                        if self.step % run.log_every == 0 or self.step == until:
-                            self._log(log, writer, loss, lr, time.perf_counter() - start, len(result.losses))
-                        if self.step % run.save_every == 0 or self.step == until:
-                            result.last_checkpoint = self.save()
+                while self.step < until:
+                    lr = lr_at(self.config.optim, self.step, self.total_steps)
+                    self.optimizer.set_lr(lr)
+                    loss = self.optimizer.train_step(self.loss_fn(step_generator(run.seed, self.step)))
+                    self.check_finite(loss, lr)
+                    if self.ema is not None:
+                        self.ema.update(self._weights(), self.step)
+                    self.step += 1
+                    result.losses.append(loss)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                    if self.step % run.log_every == 0 or self.step == until:
+                        self._log(log, loss, lr, time.perf_counter() - start - self.validation_s, len(result.losses))
+                    if self.step % run.save_every == 0 or self.step == until:
+                        result.last_checkpoint = self.save()
+                    if validator is not None and validator.due(self.step, until):
+                        self._validate(validator, log)
             finally:
                 bar.close()
-                if writer is not None:
-                    writer.close()
-        result.seconds = time.perf_counter() - start
+                log.close()
+        result.seconds = time.perf_counter() - start - self.validation_s
+        result.validation_seconds = self.validation_s
         return result
 
-    def _log(self, log, writer, loss: float, lr: float, elapsed: float, done: int) -> None:
-        record = {"step": self.step, "loss": loss, "lr": lr, "elapsed_s": round(elapsed, 2)}
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        if writer is not None:
-            writer.add_scalar("train/loss", loss, self.step)
-            writer.add_scalar("train/lr", lr, self.step)
+    def _validate(self, validator, log: RunLog) -> None:
+        record = validator.run(self, log)
+        self.validation_s += record["validation_s"]
+        log.scalars(self.step, record, prefix="validate")
         if not self.quiet:
-            tqdm.write(f"step {self.step}/{self.config.run.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
+            held = f"  held-out loss {record['heldout_loss']:.4f}" if "heldout_loss" in record else ""
+            samples = f"  {record['samples']} samples in samples/step-{self.step}" if record.get("samples") else ""
+            tqdm.write(f"validation at step {self.step}:{samples}{held}  ({record['validation_s']:.1f} s)")
+
+    def _log(self, log: RunLog, loss: float, lr: float, elapsed: float, done: int) -> None:
+        log.scalars(self.step, {"loss": loss, "lr": lr, "elapsed_s": round(elapsed, 2)})
+        if not self.quiet:
+            tqdm.write(f"step {self.step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
+
+
+def total_steps(config: TrainConfig, task, quiet: bool) -> int:
+    """run.steps, or run.epochs of the task's steps per epoch (said when it replaces run.steps)."""
+    run = config.run
+    if run.epochs is None:
+        return run.steps
+    per_epoch = task.steps_per_epoch
+    if not quiet:
+        print(f"run.epochs={run.epochs}: {run.epochs} x {per_epoch} steps = {run.epochs * per_epoch} steps "
+              f"(instead of run.steps={run.steps})")
+    return run.epochs * per_epoch
+
+
+def cache_only(trainer: Trainer) -> Path:
+    """`slidefusion cache`: the latents and text states a run of this config needs, and nothing else."""
+    prepare_cache = getattr(trainer.task, "prepare_cache", None)
+    if prepare_cache is None:
+        raise UserError("slidefusion cache applies to fine-tunes of diffusers folders (model.pretrained=DIR); "
+                        "our own models encode each batch as they train")
+    with trainer.lock():
+        prepare_cache()
+    return trainer.task.cache.root
 
 
 def _earlier_hint(path: Path) -> str:
@@ -352,12 +417,16 @@ def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: 
     return OwnModelTask(config, device, run_dir, quiet)
 
 
-def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError("run.tensorboard=true needs the tensorboard package: pip install 'slidefusion[tensorboard]'") from None
-    return SummaryWriter(str(run_dir / "tensorboard"))
+def _discard_new_run(run_dir: Path) -> None:
+    """Remove what a run wrote into the folder its lock created (config.json, metrics, caches), so
+    that an exit with a user error leaves nothing behind; the lock's release removes the folder."""
+    for child in Path(run_dir).iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def _first_difference(saved, config) -> str:

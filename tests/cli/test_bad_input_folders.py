@@ -73,7 +73,8 @@ ROWS = [
     # 9. found after work started (the VAE loaded, clips cached): still nothing left behind
     (f"{FT} model.pretrained={{garbage_tokenizer}}", "component tokenizer/ does not load"),
     (f"{FT} model.pretrained={{no_text_encoder}}", "component text_encoder/ is listed in model_index.json but missing"),
-    (f"{FT} model.pretrained={{base}} data.kind=folder data.root={{videos}}", "bad.mp4"),
+    (f"{FT} model.pretrained={{base}} data.kind=folder data.root={{videos}} data.resolution=null "
+     "data.frame_buckets=null data.strict=true", "bad.mp4"),
     # sizes need their unit, on the command line and in a config
     ("plan --model wan2.1-14b --frames 81 --height 480 --width 832 --gpu-memory 24", "'24' has no unit; write e.g. 24GB"),
     ("plan --model wan2.1-14b --frames 81 --height 480 --width 832 --host-memory 1.5T", "'1.5T' is ambiguous"),

@@ -73,7 +73,8 @@ def test_unreadable_video_in_a_folder_dataset_exits_2(tmp_path, capsys):
             f"run.output_dir={tmp_path / 'runs'}", "--quiet"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "cannot read video" in err and "clip.mp4" in err and err.count("\n") == 1
+    assert "none of its 1 files is usable (1 unreadable)" in err and "clip.mp4" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()  # checked before the run folder is made
 
 
 def test_sampling_that_produces_nan_stops_with_exit_3_and_writes_nothing(tmp_path, monkeypatch, capsys):

@@ -72,12 +72,12 @@ def test_kill_during_latent_caching_never_feeds_a_half_file_to_the_rerun(tiny_wa
     cache = tmp_path / "cache"
     argv = _finetune(tiny_wan_dir, tmp_path / "runs", "killed", f"data.cache_dir={cache}")
     assert _die_at("slidefusion.training.finetune.caches", "save_file", 3, argv) == -9  # the third clip's write
-    complete = sorted((cache / "latents").glob("*.safetensors"))
-    half = [p for p in (cache / "latents").iterdir() if p.name.endswith(".tmp")]
-    assert len(complete) == 2 and len(half) == 1, list((cache / "latents").iterdir())
+    complete = sorted((cache / "latents").glob("*/*.safetensors"))  # one folder per bucket
+    half = [p for p in (cache / "latents").glob("*/*") if p.name.endswith(".tmp")]
+    assert len(complete) == 2 and len(half) == 1, list((cache / "latents").rglob("*"))
     kept = {p: p.stat().st_mtime_ns for p in complete}
     assert main(argv) == 0  # the same command again, over what the kill left
-    assert [p.name for p in (cache / "latents").iterdir() if not p.name.endswith(".safetensors")] == []
+    assert [p.name for p in (cache / "latents").glob("*/*") if not p.name.endswith(".safetensors")] == []
     assert all(p.stat().st_mtime_ns == t for p, t in kept.items())  # complete entries reused as they were
     assert main(_finetune(tiny_wan_dir, tmp_path / "fresh", "fresh")) == 0  # uninterrupted, its own cache
     rerun = load_file(tmp_path / "runs" / "killed" / "checkpoint-1" / "model.safetensors")

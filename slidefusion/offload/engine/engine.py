@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from slidefusion.families import adapter_for
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
+from slidefusion.offload.engine.accumulate import GradientAccumulator
 from slidefusion.offload.engine.device import DeviceWeights, GradientShipper
 from slidefusion.core.hooks import refuse_hooks, within
 from slidefusion.offload.engine.hooks import REFUSED, STREAM, block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
@@ -60,6 +61,7 @@ class OffloadEngine:
         self.h2d, self.d2h = (make_copier(f"offload-{way}", self.device, policy.pin_chunk) for way in ("h2d", "d2h"))
         self.worker = Worker("offload-adamw") if policy.overlapped else InlineWorker()
         self.strategy = make_strategy(policy, self.state, self.allocator.empty, self.worker, self._update)
+        self.accumulator = None  # host gradient sums, for steps of several micro-batches (`accumulate`)
         self.weights = DeviceWeights(self.state, policy, self.h2d, lambda key: self.strategy.updated[key])
         self.grads = GradientShipper(self.state, policy, self.d2h, self.strategy)
         self.runner = make_runner(policy, model, self.blocks)  # one block's computation: whole or tiled
@@ -77,25 +79,26 @@ class OffloadEngine:
         check(lr >= 0, f"lr={lr} must be >= 0")
         self.lr = lr
 
-    def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> float:
+    def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor] | list) -> float:
         """Forward + backward of `loss_fn(model)` and one AdamW update; returns the loss.
 
+        A list of loss functions is one step of several micro-batches (each loss already scaled by
+        its share): their gradients add up in host memory (`accumulate`) and the update runs on the
+        last one's backward. Returns the sum of their losses.
         The update of the last blocks may still be running when this returns; the next step, and
         `model_state_dict`/`state_dict`, wait for exactly the parts they need."""
         start = time.perf_counter()
-        self.checkpoints.begin_step()  # a disk that cannot hold the step fails here, before any work
-        _refresh_written_weights(self)
-        self._wait_update(REST)
-        self.weights.begin_pass(forward=True)
-        self._pos, self._called = 0, []
-        try:
-            value = self._forward_backward(loss_fn)
-            self.grads.ship(self.state.rest, [p.grad for p in self.state.rest.trainable], self.step + 1, self.lr)
-        finally:
-            self.checkpoints.end_step()
-            self.state.rest.bind_host()
-            for p in self.state.rest.params:
-                p.grad = None
+        fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
+        check(len(fns) >= 1, "train_step needs at least one loss function")
+        value = 0.0
+        for number, fn in enumerate(fns):
+            if len(fns) == 1:
+                self.grads.strategy = self.strategy
+            else:
+                self.grads.strategy = _accumulator(self)
+                self.grads.strategy.begin(first=number == 0, last=number == len(fns) - 1)
+            value += _micro_batch(self, fn)
+        self.grads.strategy = self.strategy
         self.strategy.end_backward(self.step + 1, self.lr, self.d2h.marker())
         self.step += 1
         _record(self, time.perf_counter() - start)
@@ -210,6 +213,33 @@ class OffloadEngine:
             target.close()
 
 
+def _micro_batch(engine: OffloadEngine, loss_fn) -> float:
+    """One forward and backward; the gradients shipped to `engine.grads.strategy`."""
+    engine.checkpoints.begin_step()  # a disk that cannot hold the step fails here, before any work
+    _refresh_written_weights(engine)
+    engine._wait_update(REST)
+    engine.weights.begin_pass(forward=True)
+    engine._pos, engine._called = 0, []
+    rest = engine.state.rest
+    try:
+        value = engine._forward_backward(loss_fn)
+        engine.grads.ship(rest, [p.grad for p in rest.trainable], engine.step + 1, engine.lr)
+    finally:
+        engine.checkpoints.end_step()
+        rest.bind_host()
+        for p in rest.params:
+            p.grad = None
+    return value
+
+
+def _accumulator(engine: OffloadEngine):
+    """The host gradient sums of steps with several micro-batches, allocated at first use."""
+    if engine.accumulator is None:
+        engine.accumulator = GradientAccumulator(engine.state, engine.allocator.empty, engine.policy.compute_dtype,
+                                                 engine.worker, engine.strategy, not engine.policy.holds_gradients)
+    return engine.accumulator
+
+
 def _refresh_written_weights(engine: OffloadEngine) -> None:
     """Someone wrote the weights through the model (load_state_dict, init_from): recast, re-upload."""
     groups = engine.state.groups.values()
@@ -238,7 +268,7 @@ def _record(engine: OffloadEngine, seconds: float) -> None:
     s.host_state_bytes = engine.state.host_bytes()
     s.host_bytes_per_param = (s.host_state_bytes - engine.state.frozen_bytes()) / max(1, engine.state.trainable_numel())
     s.frozen_bytes_per_param = engine.state.frozen_bytes() / max(1, engine.state.frozen_numel())
-    s.staging_bytes = engine.strategy.host_bytes()
+    s.staging_bytes = engine.strategy.host_bytes() + (engine.accumulator.host_bytes() if engine.accumulator else 0)
     s.pinned_bytes, s.pageable_copy_bytes = engine.allocator.pinned_bytes, engine.allocator.pageable_dma_bytes
 
 

@@ -226,9 +226,13 @@ class Sums:
                 total.narrow(dim, start * self.site.unit, grad.shape[dim]).add_(grad)
         grads = grads[len(self.cut):]
         for i, grad in enumerate(grads[:len(self.sums)]):
-            if grad is not None:
-                grad = grad.to(torch.promote_types(grad.dtype, torch.float32))
-                self.sums[i] = grad if self.sums[i] is None else self.sums[i].add_(grad)
+            if grad is None:
+                continue
+            if self.sums[i] is None:  # a copy: autograd may hand one tensor to two targets (an add of
+                # equal shapes, e.g. Wan's modulation table + temb at batch 1), which add_ would count twice
+                self.sums[i] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
+            else:
+                self.sums[i].add_(grad)
         return grads[len(self.sums):]
 
     def result(self) -> tuple[list, list]:

@@ -4,9 +4,10 @@ As in musubi-tuner, every clip's latents and every caption's text states are one
 named by a hash of what determines them, so a cache is reused by any run that would compute the
 same tensors and never by one that would not:
 
-    CACHE/latents/<sha>.safetensors   "latents" (C, T, H, W) float32; key: the clip (dataset kind,
-                                      file and its size and mtime or the procedural seed and index,
-                                      frames, height, width, stride) and the VAE (its files)
+    CACHE/latents/FxHxW/<sha>.safetensors
+                                      "latents" (C, T, H, W) float32, one folder per bucket (F x H x W
+                                      pixels); key: the clip (file, its size and mtime, its frames,
+                                      bucket and resize, or the procedural seed and index) and the VAE
     CACHE/text/<sha>.safetensors      "states" (L, D) float32, "mask" (L,) uint8 (families that take
                                       one), "pooled" (P,) (HunyuanVideo); key: the caption and the
                                       text encoders and tokenizers (their files)
@@ -57,7 +58,10 @@ def component_identity(folder, names: list[str]) -> dict:
 
 
 def clip_identity(data, dataset, index: int) -> dict:
-    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE."""
+    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE (a scanned `ClipSet`
+    says it itself: file, frames, bucket, resize)."""
+    if hasattr(dataset, "identity"):
+        return dataset.identity(index)
     record = {"kind": data.kind, "index": index, "frames": data.frames, "height": data.height, "width": data.width}
     if data.kind == "shapes":
         record.update(seed=data.seed, max_objects=data.max_objects)
@@ -69,6 +73,12 @@ def clip_identity(data, dataset, index: int) -> dict:
 
 
 TEMPORARY = re.compile(r"^\.[0-9a-f]{32}\.safetensors\.[a-z0-9_]+\.tmp$")  # what `_write` names its temporaries
+
+
+def _bucket_folder(data, dataset, index: int) -> str:
+    """The latents' subfolder: one per bucket (frames x height x width in pixels)."""
+    bucket = dataset.buckets[index] if hasattr(dataset, "buckets") else None
+    return str(bucket) if bucket is not None else f"{data.frames}x{data.height}x{data.width}"
 
 
 def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
@@ -109,7 +119,7 @@ class FinetuneCache:
 
     def latent_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
-        return self.root / "latents" / f"{key}.safetensors"
+        return self.root / "latents" / _bucket_folder(self.data, self.dataset, index) / f"{key}.safetensors"
 
     def text_path(self, caption: str) -> Path:
         key = _digest({"format": FORMAT, "caption": caption, "text": self.text_id})
@@ -126,15 +136,17 @@ class FinetuneCache:
         from slidefusion.pretrained import encode_prompts
         from slidefusion.vae import DiffusersVideoAutoencoder
 
-        for folder in (self.root / "latents", self.root / "text"):
+        latents = self.root / "latents"
+        buckets = sorted(p for p in latents.iterdir() if p.is_dir()) if latents.is_dir() else []
+        for folder in (latents, *buckets, self.root / "text"):  # each bucket's latents have their own folder
             remove_abandoned_files(folder, TEMPORARY)  # what a killed fill left; never a live writer's
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
-            for n, i in enumerate(tqdm(clips, desc="caching latents", disable=quiet, leave=False)):
-                video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
-                self._put(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT},
-                          len(clips) - n, "latents")
+            for n, (i, video) in enumerate(tqdm(self._videos(clips), total=len(clips), desc="caching latents", disable=quiet,
+                                 leave=False)):
+                latents = vae.encode(video[None].to(device))[0].float()  # (1, 3, T, H, W) -> (C, T', H', W')
+                self._put(self.latent_path(i), {"latents": latents}, {"format": FORMAT}, len(clips) - n, "latents")
         for n, caption in enumerate(tqdm(texts, desc="caching text", disable=quiet, leave=False)):
             text = encode_prompts(parts, [caption])
             self._put(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption},
@@ -144,6 +156,8 @@ class FinetuneCache:
     def _put(self, path: Path, tensors: dict[str, Tensor], metadata: dict, left: int, what: str) -> None:
         """Write one cache file; a full disk says how much the `left` files of its kind need."""
         needed = left * sum(t.numel() * t.element_size() for t in tensors.values())
+        if not path.parent.exists():  # a bucket's folder: made here, so taken back with the files
+            self._folders.insert(0, path.parent)
         with writing(f"the {what} cache ({left} files to go)", self.root, needed,
                      "the cache files written so far are complete, and the next run reuses them"):
             _write(path, tensors, metadata)
@@ -159,6 +173,14 @@ class FinetuneCache:
             except OSError:
                 pass
         self.written = []
+
+    def _videos(self, indices: list[int]):
+        """(index, video (3, T, H, W)) of each clip; a scanned dataset decodes each file once."""
+        if hasattr(self.dataset, "load"):
+            yield from self.dataset.load(indices)
+        else:
+            for i in indices:
+                yield i, self.dataset[i]["video"]
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

@@ -31,15 +31,17 @@ from torch import nn
 
 from slidefusion import memory
 from slidefusion.core import validate
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.offload import OffloadEngine, engine_blocks
 from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
 from slidefusion.offload.tiling.tile_runner import tiling_refusal
 from slidefusion.pretrained import lora as lora_lib
-from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
+from slidefusion.swap import is_offset_weight, slide_offset_weights, use_slide_attention
+from slidefusion.training.finetune.batches import ClipSizes, FolderData, micro_batch_loss
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch, offload_policy
+from slidefusion.training.task import ResidentOptimizer, offload_policy
+from slidefusion.training.validation import Validator
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
@@ -58,17 +60,6 @@ def model_shape(model: nn.Module, adapter, blocks, attention: str) -> ModelShape
                       tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
-def dataset_caption(dataset, index: int) -> str:
-    """A clip's caption without decoding its video where the dataset allows."""
-    if hasattr(dataset, "captions"):
-        return dataset.captions[index]
-    if hasattr(dataset, "scene"):
-        from slidefusion.data import caption
-
-        return caption(dataset.scene(index))
-    return dataset[index]["caption"]
-
-
 class FolderTask:
     """See the module docstring. Steps 2 and 3 wait for `prepare()` (the trainer calls it once the run
     goes ahead: after --resume checked its checkpoint), so bad input costs no cache. Attributes the
@@ -79,23 +70,29 @@ class FolderTask:
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
         from slidefusion.pretrained.source import open_source
 
-        self.config, self.device, cfg, data = config, device, config.model, config.data
+        self.config, self.device, cfg = config, device, config.model
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
-        source = open_source(cfg.pretrained, cfg.expert, data.frames, data.height, data.width)
+        sizes = ClipSizes(config.data)  # the buckets, checked against the folder's VAE and patch
+        source = open_source(cfg.pretrained, cfg.expert, sizes)
+        self.rules = sizes.rules
         self.folder, self.adapter, self.latent, self.grid = source.folder, source.adapter, source.latent, source.grid
-        meta, self.slide = source.meta, cfg.slide
+        self.vae_config, meta, self.slide = source.vae_config, source.meta, cfg.slide
         self._adapt(meta)
         if not quiet:
             self._say_window()
         self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
         self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
-        if data.cache_dir:  # a file there, or a folder nothing can be written to, fails now, not after loading
-            validate.output_path(data.cache_dir, "data.cache_dir", folder=True, inside=True)
-        self.dataset = dataset_of(data)
-        self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
-        self.run_dir, self.quiet = run_dir, quiet
+        if config.data.cache_dir:  # a file there, or a folder nothing can be written to, fails now, not after loading
+            validate.output_path(config.data.cache_dir, "data.cache_dir", folder=True, inside=True)
         self.model, self.optimizer, self.cache = meta, None, None
+        self.validator = Validator(config, self, quiet) if config.validate.enabled else None  # its checks, before the scan
+        self.data = FolderData(config, self.rules, quiet)  # every file probed, the skip table printed
+        self.dataset, self.steps_per_epoch = self.data.dataset, self.data.steps_per_epoch
+        self.captions = [self.data.caption(i) for i in range(len(self.dataset))]
+        if self.validator is not None:
+            self.validator.scan(self.rules)
+        self.run_dir, self.quiet = run_dir, quiet
 
     def _fit(self, meta: nn.Module, device: torch.device):
         """The engine's resolved policy with --offload (the engine takes this plan), else the resident
@@ -114,26 +111,37 @@ class FolderTask:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
         if self.optimizer is not None:
             return
-        self.cache = self._cache(self.run_dir, self.quiet)
+        self.prepare_cache()
         self.optimizer = self._offloaded() if self.config.offload.enabled else self._resident()
 
     # ---------------------------------------------------------------- caches
-    def _cache(self, run_dir: Path, quiet: bool) -> FinetuneCache:
+    def prepare_cache(self) -> FinetuneCache:
+        """Every clip's latents and every caption's (and validation prompt's) text states, computed
+        where missing, once; `slidefusion cache` stops here."""
         from slidefusion.pretrained import PretrainedParts
 
+        if self.cache is not None:
+            return self.cache
+        run_dir, quiet = self.run_dir, self.quiet
         text = self.adapter.text
         text_components = [*text.encoders, *text.tokenizers]
         root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
-        cache = FinetuneCache(root, self.config.data, self.dataset, component_identity(self.folder, ["vae"]),
-                              component_identity(self.folder, text_components), text)
+        identities = component_identity(self.folder, ["vae"]), component_identity(self.folder, text_components)
+        cache = FinetuneCache(root, self.config.data, self.dataset, *identities, text)
         self.cache = cache  # before filling: a stop on bad input midway takes back what was written
-        clips, texts = cache.missing([*self.captions, ""])
-        if clips or texts:
+        caches = [(cache, [*self.captions, ""])]
+        if self.validator is not None:
+            caches += self.validator.caches(root, identities, text)
+        missing = [c.missing(texts) for c, texts in caches]
+        if any(clips or texts for clips, texts in missing):
             parts = PretrainedParts.load(self.folder, transformers=False)
-            written = cache.fill(parts, self.device, quiet, [*self.captions, ""])
+            written = sum(c.fill(parts, self.device, quiet, texts) for c, texts in caches)
             del parts  # the VAE and text encoders go before the transformer comes
             if not quiet:
                 print(f"cached {written} files under {root}")
+        elif not quiet:
+            print(f"reusing the caches under {root} ({len(self.dataset)} clips, {len(set(self.captions))} captions)")
+        self.cache = cache
         return cache
 
     # ---------------------------------------------------------------- the model
@@ -198,20 +206,18 @@ class FolderTask:
         return engine
 
     # ---------------------------------------------------------------- the trainer's seam
-    def loss_fn(self, generator: torch.Generator):
-        """The step's loss as a function of the model: cached latents and text of the drawn clips."""
-        run = self.config.run
-        indices, captions = draw_batch(self.dataset, run.batch_size, self.config.diffusion.caption_dropout, generator,
-                                       lambda i: self.captions[i])
-        latents = self.cache.latents(indices).to(self.device)
-        text = self.cache.text(captions)
-        text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
-                          None if text.pooled is None else text.pooled.to(self.device))
+    def loss_fn(self, generator: torch.Generator, step: int):
+        """Step `step`'s loss as a function of the model (one micro-batch), or a list of them, each
+        scaled by its share of the step's clips (`run.grad_accum`); see `batches` for the draws.
+        `generator` is the trainer's step stream, unused: every sample has its own."""
+        parts = self.data.micro_batches(step)
+        total = sum(len(p) for p in parts)
+        fns = [micro_batch_loss(self, part, step, len(part) / total) for part in parts]
+        return fns[0] if len(fns) == 1 else fns
 
-        def loss(model: nn.Module) -> torch.Tensor:
-            return self.objective.loss(model, latents, text, generator)
-
-        return loss
+    def describe_data(self) -> str:
+        """The bucket table printed before step 1."""
+        return self.data.table()
 
     def weights(self, state: dict) -> dict:
         """Every weight, or LoRA's adapters only (and slide attention's offset networks)."""

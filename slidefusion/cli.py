@@ -20,32 +20,42 @@ _positive_int = types.positive_int  # kept for callers of the old private name
 
 def cmd_train(args) -> None:
     from slidefusion.training import Trainer, load_config
+    from slidefusion.training.distributed import on_ranks, shard_note
 
     from slidefusion.offload.cli import offload_overrides
 
-    config = load_config(args.config, [*args.overrides, *offload_overrides(args)])
-    if args.resume and args.init_from:
-        raise UserError("--resume and --init-from exclude each other: resume continues a run, init-from starts a new one")
-    trainer = Trainer(config, quiet=args.quiet)
-    with trainer.lock():  # held from before resuming until the last checkpoint is written
-        _train(trainer, args)
+    with on_ranks(args.command_parser.prog):  # under torchrun: one line per failure, from rank 0
+        try:
+            config = load_config(args.config, [*args.overrides, *offload_overrides(args)])
+            if args.resume and args.init_from:
+                raise UserError("--resume and --init-from exclude each other: resume continues a run, init-from "
+                                "starts a new one")
+        except UserError as error:
+            error.agreed = True  # every rank reads the same arguments
+            raise
+        trainer = Trainer(config, quiet=args.quiet)
+        say = print if trainer.ranks.writer else (lambda *_: None)
+        if trainer.ranks.active:
+            say(shard_note(config))
+        with trainer.lock():  # held from before resuming until the last checkpoint is written
+            _train(trainer, args, say)
 
 
-def _train(trainer, args) -> None:
+def _train(trainer, args, say=print) -> None:
     config = trainer.config
     if args.resume:
-        print(f"resuming from {trainer.resume(args.resume)} at step {trainer.step}")
+        say(f"resuming from {trainer.resume(args.resume)} at step {trainer.step}")
     if args.init_from:
         loaded, skipped = trainer.init_from(args.init_from)
-        print(f"initialised {len(loaded)} tensors from {args.init_from}; {len(skipped)} left as initialised:")
+        say(f"initialised {len(loaded)} tensors from {args.init_from}; {len(skipped)} left as initialised:")
         for name in skipped:
-            print(f"  {name}")
+            say(f"  {name}")
     result = trainer.train()
     if result.losses:
-        print(f"trained {len(result.losses)} steps in {result.seconds:.1f} s; final loss {result.losses[-1]:.4f}; "
-              f"checkpoint {result.last_checkpoint}")
+        say(f"trained {len(result.losses)} steps in {result.seconds:.1f} s; final loss {result.losses[-1]:.4f}; "
+            f"checkpoint {result.last_checkpoint}")
     else:
-        print(f"nothing to do: the run is already at step {trainer.step} of {config.run.steps}")
+        say(f"nothing to do: the run is already at step {trainer.step} of {config.run.steps}")
 
 
 def _pipeline(args, checkpoint):
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             args.func(args)
         except UserError as error:
             kind = "stopped" if getattr(error, "exit_code", 2) != 2 else "error"
-            print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
+            if not getattr(error, "silent", False):  # another rank of a multi-rank run says it
+                print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
             return getattr(error, "exit_code", 2)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)

@@ -14,6 +14,8 @@ Two seams (issue 12 fills both):
       host memory and a spill file. Both also hear when a step begins, turns to backward, and ends.
 """
 
+import contextvars
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -122,6 +124,7 @@ class StreamedBlock(torch.autograd.Function):
         outs, engine.out_spec = tree_flatten(out)
         ctx.engine, ctx.index, ctx.spec, ctx.graph = engine, index, spec, graph
         ctx.autocast = torch.is_autocast_enabled(engine.device.type)
+        ctx.context = contextvars.copy_context()  # the recompute sees what the forward saw (a parallel call's record)
         engine.checkpoints.put(ctx, list(tensors))
         return tuple(o.detach() if torch.is_tensor(o) else o for o in outs)
 
@@ -130,7 +133,7 @@ class StreamedBlock(torch.autograd.Function):
         tensors = ctx.engine.checkpoints.take(ctx)
         engine = ctx.engine
         with torch.autocast(engine.device.type, dtype=engine.policy.compute_dtype, enabled=ctx.autocast):
-            grads = engine.block_backward(ctx.index, tensors, ctx.spec, ctx.graph, grad_outputs)
+            grads = ctx.context.run(engine.block_backward, ctx.index, tensors, ctx.spec, ctx.graph, grad_outputs)
         ctx.graph = None
         return (None, None, None, None, *grads)
 

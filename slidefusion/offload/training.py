@@ -28,11 +28,12 @@ def offload_policy(config) -> OffloadPolicy:
 
 
 def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int],
-                      shape: ModelShape | None = None) -> OffloadEngine:
+                      shape: ModelShape | None = None, ranks=None) -> OffloadEngine:
     """An `OffloadEngine` for a `TrainConfig`, once the planner says it fits; `grid` (T, H, W),
     the token grid of one sample, sizes the activations; `shape`: the model's (default: from
-    `config.model`, one of our presets)."""
-    return OffloadEngine(model, engine_blocks(model), fitting_policy(model, config, grid, shape))
+    `config.model`, one of our presets); `ranks` (`sharded.RankGroups`): shard its host state
+    over the ranks of a data-parallel run."""
+    return OffloadEngine(model, engine_blocks(model), fitting_policy(model, config, grid, shape), ranks=ranks)
 
 
 def fitting_policy(model: nn.Module, config, grid: tuple[int, int, int],

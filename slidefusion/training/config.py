@@ -22,6 +22,7 @@ from slidefusion.models.config import ModelConfig, preset
 from slidefusion.offload.config import OffloadConfig
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.training.finetune.config import LoraConfig, PretrainedModelConfig
+from slidefusion.training.parallel_config import ParallelTrainConfig, merge_train_alias
 
 
 @dataclass
@@ -97,6 +98,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    parallel: ParallelTrainConfig = field(default_factory=ParallelTrainConfig)  # under torchrun: dp x sp ranks
     text_encoder: str = "minilm"
     text_max_length: int = 32
     autoencoder: str = "identity"
@@ -105,6 +107,9 @@ class TrainConfig:
         check(self.pretrained or not self.lora.enabled,
               f"lora.rank={self.lora.rank} applies to diffusers folders only; add model.pretrained=DIR, "
               "or set lora.rank=null")
+        check(not (self.parallel.fsdp and self.offload.enabled),
+              "parallel.fsdp=true shards resident training; --offload (offload.enabled) shards the offload engine's "
+              "host state instead: choose one")
 
     @property
     def pretrained(self) -> bool:
@@ -251,4 +256,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
                             f"not a {type(data).__name__}")
     for override in overrides:
         apply_override(data, override)
+    merge_train_alias(data)
     return build(TrainConfig, data)

@@ -7,6 +7,10 @@ Every step's randomness (which clips, which captions are dropped, noise, timeste
 generator seeded by (run seed, step), so a run resumed from a checkpoint repeats exactly the loss
 sequence of an uninterrupted one. The optimizer sits behind a small `train_step(loss_fn)` seam, so
 an offload engine with the same methods can replace `ResidentOptimizer` without touching the loop.
+
+Under torchrun every rank runs this loop (`training.distributed`): each computes its rows of the
+step's global batch, the optimizer reduces the gradients, the logged loss is the ranks' mean, and
+rank 0 alone writes (lock, config, metrics, checkpoints), the others waiting on its outcome.
 """
 
 import dataclasses
@@ -14,7 +18,7 @@ import json
 import math
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +27,7 @@ from tqdm.auto import tqdm
 
 from slidefusion import validate
 from slidefusion.errors import NonFiniteError, UserError
-from slidefusion.training import optimizer_state
+from slidefusion.training import distributed, optimizer_state
 from slidefusion.training.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, load_matching, save_checkpoint
 from slidefusion.training.config import OptimConfig, TrainConfig, build
 from slidefusion.training.run_folder import RunLock, remove_stale_temporaries, truncate_metrics
@@ -67,11 +71,12 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, quiet: bool = False):
         self.config = config
-        self.quiet = quiet
         validate.output_path(config.run.output_dir, "run.output_dir", folder=True)  # before any work
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
-        self.task = build_task(config, self.device, self.run_dir, quiet)
+        self.ranks = distributed.start(config)  # one process, or this rank of a torchrun world (checked here)
+        self.device, self.quiet = self.ranks.device, quiet or not self.ranks.writer
+        self.task = build_task(config, self.device, self.run_dir, self.quiet, self.ranks)
         self.model = self.optimizer = self.ema = None
         if not getattr(self.task, "lazy", False):
             self.prepare()
@@ -99,10 +104,10 @@ class Trainer:
             yield
             return
         lock = RunLock(self.run_dir)
-        lock.acquire()
+        self.ranks.agree(lock.acquire)  # rank 0 holds it for every rank
         self._lock = lock
         try:
-            removed = remove_stale_temporaries(self.run_dir)
+            removed = self.ranks.agree(remove_stale_temporaries, self.run_dir)
             if removed:
                 warnings.warn(f"removed what an interrupted save left in {self.run_dir}: {', '.join(removed)}")
             yield
@@ -112,6 +117,10 @@ class Trainer:
 
     def _claim_folder(self) -> None:
         """Refuse to start a new run over an earlier one's checkpoints; keep one metrics record per step."""
+        self.ranks.agree(self._claim_on_disk)
+        self._continues = True
+
+    def _claim_on_disk(self) -> None:
         if not self._continues:
             earlier = checkpoint_steps(self.run_dir)
             if earlier:
@@ -146,7 +155,7 @@ class Trainer:
         bad = first_nonfinite(ckpt.model)
         if bad is not None:
             raise UserError(f"--resume {ckpt.path}: weight {bad} holds NaN or infinity; resume from an earlier checkpoint")
-        self._warn_changed(saved, ckpt.path)
+        self._warn_changed(saved, ckpt.path, int(ckpt.state.get("global_batch", saved.run.batch_size)))
         self.prepare()
         self.task.load_weights(ckpt.model, ckpt.path)
         try:
@@ -178,12 +187,13 @@ class Trainer:
             return optimizer_state.torch_to_engine(state, self.model, self.optimizer)
         return optimizer_state.engine_to_torch(state, self.model, self.optimizer.state_dict())
 
-    def _warn_changed(self, saved: TrainConfig, path: Path) -> None:
-        """One warning line if the data a resumed run sees differs from what the checkpoint saw."""
+    def _warn_changed(self, saved: TrainConfig, path: Path, global_batch: int) -> None:
+        """One warning line if the data a resumed run sees differs from what the checkpoint saw (the
+        global batch, data-parallel ranks x run.batch_size, decides which samples a step draws)."""
         changes = [f"data.{k} {v!r} -> {getattr(self.config.data, k)!r}" for k, v in vars(saved.data).items()
                    if getattr(self.config.data, k) != v]
-        if saved.run.batch_size != self.config.run.batch_size:
-            changes.append(f"run.batch_size {saved.run.batch_size} -> {self.config.run.batch_size}")
+        if global_batch != self._global_batch():
+            changes.append(f"global batch (ranks x run.batch_size) {global_batch} -> {self._global_batch()}")
         if changes:
             warnings.warn(f"--resume {path}: the data changed since it was saved ({', '.join(changes)}); "
                           "the run continues, but not as the uninterrupted run would have")
@@ -222,21 +232,35 @@ class Trainer:
         if not math.isfinite(loss):
             raise NonFiniteError(f"loss became {loss} at step {self.step + 1} although the weights before it were "
                                  f"finite; {advice}")
-        bad = first_nonfinite(self.optimizer.model_state_dict())
+        bad = self._nonfinite_weight()
         if bad is not None:
             raise NonFiniteError(f"the update of step {self.step + 1} made weight {bad} non-finite although its loss "
                                  f"{loss:.4g} was finite (the gradients or the update overflowed); {advice}")
 
+    def _global_batch(self) -> int:
+        return self.ranks.place.dp * self.config.run.batch_size
+
+    def _nonfinite_weight(self) -> str | None:
+        """The first non-finite weight, asked of the optimizer where its weights are spread over ranks."""
+        check = getattr(self.optimizer, "first_nonfinite", None)
+        return check() if check is not None else first_nonfinite(self.optimizer.model_state_dict())
+
     def save(self) -> Path:
+        """checkpoint-STEP, written by rank 0 (every rank takes part in gathering what it holds)."""
         weights = self._weights()
         bad = first_nonfinite(weights)
         if bad is not None:  # check_finite stops the loop first; this guards direct callers
             raise NonFiniteError(f"weight {bad} holds NaN or infinity at step {self.step}; no checkpoint was written")
-        state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state()}
-        path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights,
-                               None if self.ema is None else self.ema.shadow, state, self.config.run.keep_last)
-        self.task.after_save()
-        return path
+        state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state(),
+                 "global_batch": self._global_batch()}
+
+        def write() -> Path:
+            path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights,
+                                   None if self.ema is None else self.ema.shadow, state, self.config.run.keep_last)
+            self.task.after_save()
+            return path
+
+        return self.ranks.agree(write) or self.run_dir / f"checkpoint-{self.step}"
 
     def train(self, until: int | None = None) -> TrainResult:
         """Run from the current step to `until` (default: run.steps), logging and checkpointing."""
@@ -245,16 +269,17 @@ class Trainer:
         with self.lock():
             self._claim_folder()
             self.prepare()
-            writer = _tensorboard(self.run_dir) if run.tensorboard else None
+            writer = _tensorboard(self.run_dir) if run.tensorboard and self.ranks.writer else None
             start = time.perf_counter()
             bar = tqdm(total=until, initial=self.step, desc=run.name, disable=self.quiet, dynamic_ncols=True)
             self.model.train()
             try:
-                with open(self.run_dir / "metrics.jsonl", "a") as log:
+                with open(self.run_dir / "metrics.jsonl", "a") if self.ranks.writer else nullcontext() as log:
                     while self.step < until:
                         lr = warmup_lr(self.config.optim, self.step)
                         self.optimizer.set_lr(lr)
                         loss = self.optimizer.train_step(self.loss_fn(step_generator(run.seed, self.step)))
+                        loss = self.ranks.mean(loss)  # the global batch's loss, the same on every rank
                         self.check_finite(loss, lr)
                         if self.ema is not None:
                             self.ema.update(self._weights(), self.step)
@@ -274,6 +299,8 @@ class Trainer:
         return result
 
     def _log(self, log, writer, loss: float, lr: float, elapsed: float, done: int) -> None:
+        if log is None:  # not rank 0
+            return
         record = {"step": self.step, "loss": loss, "lr": lr, "elapsed_s": round(elapsed, 2)}
         log.write(json.dumps(record) + "\n")
         log.flush()
@@ -284,13 +311,15 @@ class Trainer:
             tqdm.write(f"step {self.step}/{self.config.run.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
 
 
-def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False):
-    """The task of a config: a diffusers folder's transformer (`model.pretrained`) or one of our presets."""
+def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
+    """The task of a config: a diffusers folder's transformer (`model.pretrained`) or one of our presets;
+    `ranks` (`distributed.Distributed`): this rank's part in a multi-rank run."""
+    ranks = ranks if ranks is not None and ranks.active else None
     if config.pretrained:
         from slidefusion.training.finetune.task import FolderTask
 
-        return FolderTask(config, device, run_dir, quiet)
-    return OwnModelTask(config, device, run_dir, quiet)
+        return FolderTask(config, device, run_dir, quiet, ranks)
+    return OwnModelTask(config, device, run_dir, quiet, ranks)
 
 
 def _tensorboard(run_dir: Path):

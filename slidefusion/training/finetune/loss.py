@@ -25,6 +25,7 @@ from torch import Tensor
 
 from slidefusion.adapters import ModelAdapter, TextConditioning
 from slidefusion.diffusion.flow import FlowConfig, sample_timesteps
+from slidefusion.diffusion.rows import Rows, local_rows
 from slidefusion.errors import check
 
 
@@ -70,12 +71,13 @@ class FolderObjective:
         return sigma.float()
 
     # ------------------------------------------------------------------ the loss
-    def loss(self, model, x0: Tensor, text: TextConditioning, generator: torch.Generator) -> Tensor:
+    def loss(self, model, x0: Tensor, text: TextConditioning, generator: torch.Generator, rows: Rows | None = None) -> Tensor:
         """The mean loss of one batch of clean latents x0 (B, C, T, H, W); noise and timesteps from
-        `generator` (on the CPU, so a step's randomness depends on the seed alone)."""
-        tokens = self.adapter.tokens(model, x0.shape)
-        t = self.sample_t(x0.shape[0], tokens, generator)
-        noise = torch.randn(x0.shape, generator=generator).to(x0)
+        `generator` (on the CPU, so a step's randomness depends on the seed alone); `rows`: x0 holds
+        these rows of a larger batch, whose timesteps and noise are drawn whole and cut."""
+        tokens, rows = self.adapter.tokens(model, x0.shape), local_rows(rows, x0.shape[0])
+        t = rows.take(self.sample_t(rows.total, tokens, generator))
+        noise = rows.take(torch.randn((rows.total, *x0.shape[1:]), generator=generator)).to(x0)
         acp = None if self.objective.kind == "flow" else self.alphas_cumprod.float()
         x_t = self.objective.noisy(x0, noise, t.to(x0.device), acp)
         out = self.adapter.raw_output(model, x_t, self.objective.model_timesteps(t).to(x0.device), text).float()

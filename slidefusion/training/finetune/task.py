@@ -40,7 +40,8 @@ from slidefusion.processors import is_offset_weight, slide_offset_weights, use_s
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch
+from slidefusion.diffusion.rows import local_rows
+from slidefusion.training.task import ResidentOptimizer, dataset_caption, dataset_of, draw_batch, load_model_weights  # noqa: F401
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
@@ -58,29 +59,21 @@ def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
                       tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
-def dataset_caption(dataset, index: int) -> str:
-    """A clip's caption without decoding its video where the dataset allows."""
-    if hasattr(dataset, "captions"):
-        return dataset.captions[index]
-    if hasattr(dataset, "scene"):
-        from slidefusion.data import caption
-
-        return caption(dataset.scene(index))
-    return dataset[index]["caption"]
-
-
 class FolderTask:
     """See the module docstring. Steps 2 and 3 wait for `prepare()` (the trainer calls it once the run
     goes ahead: after --resume checked its checkpoint), so bad input costs no cache. Attributes the
     trainer reads then: `model`, `optimizer`."""
 
     lazy = True
+    rows = None  # this rank's share of each step's batch (a data-parallel trainer sets it)
 
-    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
+    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
         from slidefusion.pretrained import build_on_meta, folder_adapter, latent_shape, load_scheduler, open_folder
         from slidefusion.pretrained.folder import read_json
+        from slidefusion.training.dist_optim import check_sequence_parallel
 
         self.config, self.device, cfg = config, device, config.model
+        self.ranks, self.rows = ranks, None if ranks is None else ranks.rows(config.run.batch_size)
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
         self.folder = folder = open_folder(cfg.pretrained)
@@ -100,6 +93,7 @@ class FolderTask:
         self.grid = adapter.token_grid(meta, (1, *self.latent))
         self.slide = cfg.slide
         self._adapt(meta)
+        check_sequence_parallel(meta, config.parallel.sp)  # parallel.sp beyond the heads fails before any cache
         if not quiet:
             self._say_window()
         expert = next(e for e in folder.experts() if e.name == cfg.expert)
@@ -126,7 +120,11 @@ class FolderTask:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
         if self.optimizer is not None:
             return
-        self.cache = self._cache(self.run_dir, self.quiet)
+        if self.ranks is not None and self.ranks.active:  # rank 0 fills the caches; the others then read them
+            cache = self.ranks.agree(self._cache, self.run_dir, self.quiet)
+            self.cache = cache if self.ranks.writer else self._cache(self.run_dir, True)
+        else:
+            self.cache = self._cache(self.run_dir, self.quiet)
         self.optimizer = self._offloaded() if self.config.offload.enabled else self._resident()
 
     # ---------------------------------------------------------------- caches
@@ -154,10 +152,13 @@ class FolderTask:
     def _resident(self) -> ResidentOptimizer:
         from slidefusion.pretrained import load_transformer
 
+        from slidefusion.training.dist_optim import resident_optimizer, sequence_parallel
+
         model = load_transformer(self.folder, self.config.model.expert, torch.float32)
         self._adapt(model, weights=True)
         self.model = model.to(self.device).train()
-        return ResidentOptimizer(self.model, self.config.optim)
+        sequence_parallel(self.model, self.ranks)
+        return resident_optimizer(self.model, self.config, self.ranks)
 
     def _adapt(self, model: nn.Module, weights: bool = False) -> None:
         """Slide attention, then LoRA, on `model` (meta or real); with `weights`, their initial values."""
@@ -190,8 +191,12 @@ class FolderTask:
     def _offloaded(self):
         from slidefusion.pretrained import iter_weights
 
+        from slidefusion.training.dist_optim import sequence_parallel
+
         model = self.model
-        engine = OffloadEngine(model, engine_blocks(model), self.policy)
+        sequence_parallel(model, self.ranks)  # before the engine's hooks
+        engine = OffloadEngine(model, engine_blocks(model), self.policy,
+                               ranks=None if self.ranks is None else self.ranks.engine_groups())
         names = lora_lib.folder_names(model)
         skipped = []
 
@@ -210,17 +215,19 @@ class FolderTask:
 
     # ---------------------------------------------------------------- the trainer's seam
     def loss_fn(self, generator: torch.Generator):
-        """The step's loss as a function of the model: cached latents and text of the drawn clips."""
-        run = self.config.run
-        indices, captions = draw_batch(self.dataset, run.batch_size, self.config.diffusion.caption_dropout, generator,
+        """The step's loss as a function of the model: cached latents and text of the drawn clips
+        (this rank's `rows` of the step's batch)."""
+        rows = local_rows(self.rows, self.config.run.batch_size)
+        indices, captions = draw_batch(self.dataset, rows.total, self.config.diffusion.caption_dropout, generator,
                                        lambda i: self.captions[i])
+        indices, captions = rows.take(indices), rows.take(captions)
         latents = self.cache.latents(indices).to(self.device)
         text = self.cache.text(captions)
         text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
                           None if text.pooled is None else text.pooled.to(self.device))
 
         def loss(model: nn.Module) -> torch.Tensor:
-            return self.objective.loss(model, latents, text, generator)
+            return self.objective.loss(model, latents, text, generator, rows)
 
         return loss
 
@@ -232,14 +239,14 @@ class FolderTask:
 
     def load_weights(self, weights: dict, source: Path) -> None:
         if not self.config.lora.enabled:
-            self.model.load_state_dict(weights)
+            load_model_weights(self.optimizer, self.model, weights)
             return
         expected = set(self.weights(self.model.state_dict()))
         if set(weights) != expected:
             odd = sorted(set(weights) ^ expected)
             raise UserError(f"--resume {source}: its LoRA weights do not fit this run's adapters (e.g. {odd[0]}); "
                             "was it trained with other lora.rank or lora.target_modules?")
-        self.model.load_state_dict(weights, strict=False)
+        load_model_weights(self.optimizer, self.model, weights, strict=False)
 
     def after_save(self) -> None:
         pass

@@ -18,7 +18,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--attention", choices=["dense", "flash", "window", "slide"],
                       help="self-attention operator (default: the model's own; Wan: flash)")
     plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB", help="device memory (default 141GB, an H200)")
-    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", help="host memory (default 1.5TB)")
+    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB",
+                      help="host memory (default 1.5TB); with --gpus, per node")
     plan.add_argument("--pcie", type=types.bandwidth, default=DEFAULT_PCIE, help=f"host<->device bandwidth (default {DEFAULT_PCIE})")
     plan.add_argument("--tflops", type=types.number(0, low_open=True), default=DEFAULT_TFLOPS,
                       help=f"dense bf16 TFLOP/s of the device (default {DEFAULT_TFLOPS:g}, an H200)")
@@ -29,7 +30,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--resident-blocks", type=types.arg_type("resident-blocks", _resident), default="0", metavar="N|auto",
                       help="blocks kept on the device (offload.resident_blocks)")
     _add_activation_flags(plan)
-    plan.add_argument("--batch", type=types.positive_int, default=1)
+    _add_cluster_flags(plan)
+    plan.add_argument("--batch", type=types.positive_int, default=1, help="samples per step (with --gpus: per data-parallel rank)")
     plan.add_argument("--prefetch", type=types.natural_int, default=1, help="blocks uploading ahead (default 1)")
     plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
                       help="autoencoder stride t,h,w (default 4,8,8)")
@@ -44,6 +46,17 @@ def _add_activation_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--disk", type=types.byte_size, help="free disk for spilled checkpoints (offload.spill_dir); default: none")
     plan.add_argument("--disk-bandwidth", type=types.bandwidth, default="3GB/s",
                       help="read/write bandwidth of that disk (default 3GB/s, one NVMe drive)")
+
+
+def _add_cluster_flags(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--gpus", type=types.positive_int, help="GPUs per node (torchrun --nproc-per-node): plan a "
+                      "data-parallel run with the offload engine's state sharded over the ranks")
+    plan.add_argument("--nodes", type=types.positive_int, default=1, help="nodes (torchrun --nnodes; default 1)")
+    plan.add_argument("--interconnect", type=types.number(0, low_open=True), metavar="GBPS",
+                      help="collective bandwidth per GPU in Gbit/s (default: 3600, NVLink, on one node; 400 across nodes)")
+    plan.add_argument("--sp", type=types.positive_int, default=1, help="ranks per sample (parallel.sp; default 1)")
+    plan.add_argument("--one-host-copy-per-rank", action="store_true",
+                      help="each rank its own host compute copy (parallel.shared_host=false)")
 
 
 def _tile(text: str) -> int | str | None:
@@ -73,6 +86,10 @@ def cmd_plan(args) -> None:
     attention = args.attention or shape.attention
     grid = grid_for(args.frames, args.height, args.width, shape.patch, stride)
     work = Workload(args.batch, grid[0] * grid[1] * grid[2], attention, frames=grid[0])
+    if args.gpus is not None:
+        return _plan_cluster(args, shape, work, grid, sizes)
+    if args.nodes != 1 or args.sp != 1 or args.interconnect is not None or args.one_host_copy_per_rank:
+        raise UserError("--nodes, --sp, --interconnect and --one-host-copy-per-rank plan a multi-GPU run: add --gpus N")
     plan = plan_training(shape, work, **sizes)
     print(report(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height} ({grid[0]}x{grid[1]}x{grid[2]} "
                        f"tokens), {attention} attention, batch {args.batch}; master {args.master}, moments {args.moments}"))
@@ -92,6 +109,21 @@ def cmd_plan(args) -> None:
         frames = largest_frames(shape, work, args.frames, args.height, args.width, stride, sizes)
         print(f"  largest clip that fits at {args.width}x{args.height}: "
               + (f"{frames} frames" if frames else "none (even one latent frame does not fit)"))
+
+
+def _plan_cluster(args, shape, work, grid, sizes: dict) -> None:
+    from slidefusion.offload.plan_distributed import Cluster, plan_cluster, report_cluster
+
+    if args.sp > shape.heads:
+        raise UserError(f"--sp {args.sp} is more than the {shape.heads} attention heads of {args.model} "
+                        "(Ulysses splits heads over the ranks of a sample)")
+    cluster = Cluster(args.gpus, args.nodes, args.sp, None if args.interconnect is None else args.interconnect * 1e9 / 8,
+                      shared=not args.one_host_copy_per_rank)
+    host = sizes.pop("host_memory")
+    plan = plan_cluster(shape, work, cluster, host, **sizes)
+    print(report_cluster(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height} ({grid[0]}x{grid[1]}x"
+                               f"{grid[2]} tokens), {work.attention} attention, {args.batch} per data-parallel rank; "
+                               f"master {args.master}, moments {args.moments}, offload engine"))
 
 
 def add_offload_options(train: argparse.ArgumentParser) -> None:

@@ -15,9 +15,10 @@
     scale       the reduced gradient is a sum over the W ranks; the update scales it by 1 / dp (dp =
                 data-parallel ranks: sequence-parallel ranks share a sample, their parts add up)
 
-Cuts fall where splitting an update changes nothing: with 8-bit moments at quantization block
-starts (a block's absmax is its own), else every ceil(n / W) values (rounded to the AdamW kernel's
-vector tail). Collectives need equal pieces, so shards are padded to the largest one.
+Cuts fall where splitting an update changes nothing, at quantization block starts (a tensor's start
+plus a multiple of 2048 values): an 8-bit block's absmax stays with one rank, and the fp32 kernel's
+vector body and scalar tail of each tensor stay where they were, so a shard's update is bitwise that
+part of the whole group's. Collectives need equal pieces, so shards are padded to the largest one.
 
 Every thread that issues collectives has its own process group (`RankGroups`): collectives on one
 group must be issued in the same order on every rank, which two threads sharing one could not promise.
@@ -36,7 +37,9 @@ from slidefusion.offload.layout import REST
 from slidefusion.offload.transfer import DONE, Handle, Worker
 from slidefusion.parallel.comm import LinkDelay, ParallelError
 
-ALIGN = 64  # uniform cuts: a multiple of every vector width of the AdamW kernels (adam.TAIL)
+# torch's names for the one-tensor collectives (the older ones warn from torch 2.10 on)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,14 @@ class RankGroups:
     """The ranks of a run as the engine sees them, and one process group per issuing thread.
 
     world, rank: every rank holds a shard (data x sequence parallel); dp: data-parallel ranks (the
-    gradient's divisor); local_rank, local_world: this rank's place on its node. `reduce` (compute
-    thread: reduce-scatters, state gathers), `update` (optimizer thread: the clipping norm), `gather`
-    (publish thread: the compute copy's other shards; None: nothing to fetch) whose members own the
-    shards `gather_ranks`, `node` (publish thread: the barrier of ranks sharing one host copy; None:
-    not shared). `link`: an emulated link for benchmarks; `overlap=False` waits on every collective
-    as soon as it is issued (the plain schedule a benchmark compares against)."""
+    gradient's divisor); local_rank, local_world: this rank's place on its node. `reduce` (the
+    default backend, NCCL on GPUs: compute thread, the gradients' reduce-scatter on the device);
+    the others are gloo groups of host tensors: `host` (optimizer thread: the clipping norm; the
+    compute thread while the optimizer is idle: state gathers), `gather` (publish thread: the compute
+    copy's other shards; None: nothing to fetch) whose members own the shards `gather_ranks`, `node`
+    (publish thread: the barrier of ranks sharing one host copy; None: not shared). `link`: an
+    emulated link for benchmarks; `overlap=False` waits on every collective as soon as it is issued
+    (the plain schedule a benchmark compares against)."""
 
     world: int
     rank: int
@@ -57,7 +62,7 @@ class RankGroups:
     local_rank: int
     local_world: int
     reduce: object
-    update: object
+    host: object
     gather: object | None
     gather_ranks: tuple[int, ...]
     node: object | None
@@ -77,20 +82,24 @@ def make_rank_groups(local_world: int, shared: bool, timeout_s: float, dp: int |
 
     world, rank = dist.get_world_size(), dist.get_rank()
     timeout = datetime.timedelta(seconds=timeout_s)
-    reduce, update = dist.new_group(timeout=timeout), dist.new_group(timeout=timeout)
+
+    def group(ranks=None):
+        return dist.new_group(ranks, timeout=timeout, backend="gloo")
+
+    reduce, host = dist.new_group(timeout=timeout), group()
     nodes, node_index, local = world // local_world, rank // local_world, rank % local_world
     if not shared:
-        return RankGroups(world, rank, dp or world, local, local_world, reduce, update,
-                          dist.new_group(timeout=timeout), tuple(range(world)), None, link, overlap)
+        return RankGroups(world, rank, dp or world, local, local_world, reduce, host, group(), tuple(range(world)),
+                          None, link, overlap)
     node = cross = None
     for m in range(nodes):  # every rank takes part in creating every group
-        g = dist.new_group(list(range(m * local_world, (m + 1) * local_world)), timeout=timeout)
+        g = group(list(range(m * local_world, (m + 1) * local_world)))
         node = g if m == node_index else node
     for i in range(local_world):
         members = [m * local_world + i for m in range(nodes)]
-        g = dist.new_group(members, timeout=timeout) if nodes > 1 else None
+        g = group(members) if nodes > 1 else None
         cross = (g, tuple(members)) if i == local else cross
-    return RankGroups(world, rank, dp or world, local, local_world, reduce, update, cross[0], cross[1], node, link,
+    return RankGroups(world, rank, dp or world, local, local_world, reduce, host, cross[0], cross[1], node, link,
                       overlap)
 
 
@@ -104,11 +113,8 @@ class Sharding:
     writes_compute: bool = True
 
     def cuts(self, layout, n: int, moments: str) -> list[int]:
-        """W + 1 cut points of [0, n): at quantization block starts for 8-bit moments, else even."""
-        if moments != "int8":
-            size = -(-n // self.world)
-            size = -(-size // ALIGN) * ALIGN
-            return [min(j * size, n) for j in range(self.world)] + [n]
+        """W + 1 cut points of [0, n), each a quantization block start (whatever `moments`: see the
+        module docstring), as near to even as those allow."""
         allowed = block_starts(layout, n).tolist()
         cuts = [0]
         for j in range(1, self.world):
@@ -189,11 +195,11 @@ class Collectives:
     def reduce_scatter(self, out: torch.Tensor, send: torch.Tensor, name: str) -> CollectiveHandle:
         group = self.groups.reduce
         moved = (send.numel() - out.numel()) * send.element_size()
-        return self._issue(name, moved, lambda: dist.reduce_scatter_tensor(out, send, group=group, async_op=True))
+        return self._issue(name, moved, lambda: REDUCE_SCATTER(out, send, group=group, async_op=True))
 
     def all_gather(self, out: torch.Tensor, send: torch.Tensor, group, name: str) -> CollectiveHandle:
         moved = (out.numel() - send.numel()) * send.element_size()
-        return self._issue(name, moved, lambda: dist.all_gather_into_tensor(out, send, group=group, async_op=True))
+        return self._issue(name, moved, lambda: ALL_GATHER(out, send, group=group, async_op=True))
 
     def all_reduce(self, x: torch.Tensor, group, name: str) -> CollectiveHandle:
         return self._issue(name, x.numel() * x.element_size(), lambda: dist.all_reduce(x, group=group, async_op=True))
@@ -285,7 +291,7 @@ class ShardNorms:
         from slidefusion.offload.adam import clip_coefficient
 
         squares = torch.stack([norms[key][i] for key, i in state.norm_order])
-        self.comm.all_reduce(squares, self.comm.groups.update, "clipping norm").synchronize()
+        self.comm.all_reduce(squares, self.comm.groups.host, "clipping norm").synchronize()
         return clip_coefficient(list(squares.sqrt() * self.scale), max_norm)
 
 

@@ -37,10 +37,10 @@ def _gather(comm, part: torch.Tensor, sizes: list[int], dst: int | None) -> torc
     send = torch.zeros(size, dtype=part.dtype)
     send[:part.numel()].copy_(part)
     out = torch.empty(world * size, dtype=part.dtype) if dst in (None, comm.groups.rank) else None
-    if dst is None:
-        comm.all_gather(out, send, comm.groups.reduce, "state all-gather").synchronize()
-    else:  # the reduce group spans the world, so its ranks are the global ones
-        dist.gather(send, list(out.split(size)) if out is not None else None, dst=dst, group=comm.groups.reduce)
+    if dst is None:  # the host group (gloo, the world): the optimizer thread is idle while the state is read
+        comm.all_gather(out, send, comm.groups.host, "state all-gather").synchronize()
+    else:  # it spans the world, so its ranks are the global ones
+        dist.gather(send, list(out.split(size)) if out is not None else None, dst=dst, group=comm.groups.host)
     if out is None:
         return None
     return torch.cat([out[j * size:j * size + sizes[j]] for j in range(world)])
@@ -139,7 +139,7 @@ def first_nonfinite(state, comm) -> str | None:
             if values is not None and not torch.isfinite(values.float()).all():
                 bad[index] = 1
             index += 1
-    comm.all_reduce(bad, comm.groups.reduce, "finite check").synchronize()
+    comm.all_reduce(bad, comm.groups.host, "finite check").synchronize()
     hit = torch.nonzero(bad).flatten()
     return names[int(hit[0])] if hit.numel() else None
 

@@ -45,7 +45,8 @@ def fitting_policy(model: nn.Module, config, grid: tuple[int, int, int],
     shape = shape or shape_of_config(config.model)
     work = Workload(batch=run.batch_size, tokens=math.prod(grid), attention=_attention_kind(shape.attention),
                     frames=grid[0])
-    if off.tile == "auto" and shape.tileable:  # blocks with an unknown halo run whole under auto
+    sequence_parallel = getattr(getattr(config, "parallel", None), "sp", 1) > 1  # tiles do not split over ranks
+    if off.tile == "auto" and shape.tileable and not sequence_parallel:  # blocks with an unknown halo run whole under auto
         policy = dataclasses.replace(policy, tile=_auto_tile(model, blocks, policy, shape, work))
     parts = activation_parts(shape, work, policy.compute_bytes, policy.tile)
     if policy.spill_dir is not None:  # the store takes them off the device; reserve the disk they need

@@ -107,6 +107,9 @@ class TrainConfig:
         check(self.pretrained or not self.lora.enabled,
               f"lora.rank={self.lora.rank} applies to diffusers folders only; add model.pretrained=DIR, "
               "or set lora.rank=null")
+        check(self.parallel.sp == 1 or self.offload.tile in ("off", "auto"),
+              f"parallel.sp={self.parallel.sp} with offload.tile={self.offload.tile}: tiles inside a sequence-parallel "
+              "block are not supported; use offload.tile=off (each rank already holds 1/sp of the tokens)")
         check(not (self.parallel.fsdp and self.offload.enabled),
               "parallel.fsdp=true shards resident training; --offload (offload.enabled) shards the offload engine's "
               "host state instead: choose one")

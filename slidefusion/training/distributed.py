@@ -116,6 +116,27 @@ class Distributed:
             raise error
         return result
 
+    def together(self, fn, *args):
+        """`fn(*args)` on every rank, then one all-gather of the outcomes: if it failed anywhere, every
+        rank raises (rank 0 prints the first failure, naming its rank unless all failed alike)."""
+        if not self.active:
+            return fn(*args)
+        result, mine = None, None
+        try:
+            result = fn(*args)
+        except UserError as error:
+            mine = (str(error), getattr(error, "exit_code", 2))
+        outcomes = [None] * self.place.world
+        dist.all_gather_object(outcomes, mine)
+        failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+        if not failed:
+            return result
+        rank, (message, code) = failed[0]
+        alike = len(failed) == self.place.world and len({m for _, (m, _) in failed}) == 1
+        error = UserError(message if alike else f"rank {rank}: {message}")
+        error.exit_code, error.agreed = code, True
+        raise error
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()

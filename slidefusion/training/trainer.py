@@ -76,7 +76,7 @@ class Trainer:
         self.device = validate.device(config.run.device, "run.device")
         self.ranks = distributed.start(config)  # one process, or this rank of a torchrun world (checked here)
         self.device, self.quiet = self.ranks.device, quiet or not self.ranks.writer
-        self.task = build_task(config, self.device, self.run_dir, self.quiet, self.ranks)
+        self.task = self.ranks.together(build_task, config, self.device, self.run_dir, self.quiet, self.ranks)
         self.model = self.optimizer = self.ema = None
         if not getattr(self.task, "lazy", False):
             self.prepare()
@@ -135,7 +135,11 @@ class Trainer:
     # -- starting points ------------------------------------------------------------------------
 
     def resume(self, checkpoint: str | Path) -> Path:
-        """Continue a run exactly where `checkpoint` left it ('latest' = this run's newest)."""
+        """Continue a run exactly where `checkpoint` left it ('latest' = this run's newest), on any
+        number of ranks (every rank reads it)."""
+        return self.ranks.together(self._resume, checkpoint)
+
+    def _resume(self, checkpoint: str | Path) -> Path:
         path = self.run_dir if checkpoint == "latest" else Path(checkpoint)
         ckpt = load_checkpoint(path, with_state=True)
         missing = sorted({"optimizer", "step", "torch_rng"} - set(ckpt.state))
@@ -193,13 +197,18 @@ class Trainer:
         changes = [f"data.{k} {v!r} -> {getattr(self.config.data, k)!r}" for k, v in vars(saved.data).items()
                    if getattr(self.config.data, k) != v]
         if global_batch != self._global_batch():
-            changes.append(f"global batch (ranks x run.batch_size) {global_batch} -> {self._global_batch()}")
+            one_process = global_batch == saved.run.batch_size and self.ranks.place.dp == 1
+            changes.append(f"run.batch_size {saved.run.batch_size} -> {self.config.run.batch_size}" if one_process else
+                           f"global batch (data-parallel ranks x run.batch_size) {global_batch} -> {self._global_batch()}")
         if changes:
             warnings.warn(f"--resume {path}: the data changed since it was saved ({', '.join(changes)}); "
                           "the run continues, but not as the uninterrupted run would have")
 
     def init_from(self, checkpoint: str | Path) -> tuple[list[str], list[str]]:
         """Start from pretrained weights: every name+shape match loads, the rest is listed."""
+        return self.ranks.together(self._init_from, checkpoint)
+
+    def _init_from(self, checkpoint: str | Path) -> tuple[list[str], list[str]]:
         ckpt = load_checkpoint(checkpoint)
         bad = first_nonfinite(ckpt.sampling_weights)
         if bad is not None:

@@ -175,7 +175,10 @@ def parser() -> ArgumentParser:
     root = ArgumentParser(prog="slidefusion", description="Video diffusion transformers: train and sample.")
     sub = root.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train from a YAML config with key=value overrides", intermixed=True)
+    train = sub.add_parser("train", help="train from a YAML config with key=value overrides", intermixed=True,
+                           description="Train from a YAML config. On several GPUs: torchrun --nproc-per-node N -m "
+                                       "slidefusion train CONFIG ... (parallel.sp, parallel.fsdp: see the config's "
+                                       "parallel section); each rank takes its rows of every step's batch.")
     train.add_argument("config", help="YAML config, e.g. configs/shapes-small.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-4 run.steps=200")
     train.add_argument("--resume", metavar="latest|DIR", help="continue a run exactly from a checkpoint")

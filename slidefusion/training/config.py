@@ -110,6 +110,9 @@ class TrainConfig:
         check(self.parallel.sp == 1 or self.offload.tile in ("off", "auto"),
               f"parallel.sp={self.parallel.sp} with offload.tile={self.offload.tile}: tiles inside a sequence-parallel "
               "block are not supported; use offload.tile=off (each rank already holds 1/sp of the tokens)")
+        check(not self.parallel.cpu_offload or str(self.run.device).startswith("cuda"),
+              f"parallel.cpu_offload=true keeps FSDP2's parameters on the host for a GPU to compute with; "
+              f"run.device={self.run.device} has none (use run.device=cuda, or parallel.cpu_offload=false)")
         check(not (self.parallel.fsdp and self.offload.enabled),
               "parallel.fsdp=true shards resident training; --offload (offload.enabled) shards the offload engine's "
               "host state instead: choose one")

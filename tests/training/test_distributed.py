@@ -1,8 +1,8 @@
 """Training on several gloo ranks equals one process with the same global batch.
 
 One spawned group of 2 ranks and one of 4 run every case (starting ranks is the slow part); the
-single-process references run here. Every run is fp32 unless it says lean, on our tiny DiT3D with
-clipping, 3 steps of a global batch of 4 (4 ranks x 1, 2 x 2, or one process x 4):
+single-process references run here. Every run is fp32 unless it says lean, on our tiny DiT3D,
+3 steps of a global batch of 4 (4 ranks x 1, 2 x 2, or one process x 4):
   resident data parallel, FSDP2, the offload engine with host state sharded (copy threads and a
   resident block; lean state: bf16 master, 8-bit moments; one host copy per rank), sequence
   parallel (Ulysses, the offload engine), data x sequence parallel on 4 ranks, LoRA on a tiny Wan
@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from distributed_helpers import GLOBAL, engine_run, folder_overrides, overrides, sp_case, train
+from distributed_helpers import GLOBAL, LOOSE_CLIP, engine_run, folder_overrides, overrides, sp_case, train
 
 from slidefusion.parallel import ParallelError, spawn
 
@@ -36,11 +36,11 @@ def runs(tmp_path_factory, tiny_wan_dir):
     four = spawn(four_ranks, 4, str(root), str(copy), timeout_s=120, job_timeout_s=900)
     one = {"ref": train(overrides(root, "ref", GLOBAL)),
            "lean": train(overrides(root, "reflean", GLOBAL, "offload.enabled=true", "offload.master=bf16",
-                                   "offload.moments=int8")),
+                                   "offload.moments=int8", LOOSE_CLIP)),
            "lora": train(folder_overrides(tiny_wan_dir, root, "reflora", 2), "configs/wan-finetune.yaml")}
     from distributed_helpers import resume
 
-    one["resumed"] = resume(overrides(root, "resumed1", GLOBAL, "offload.enabled=true"), copy)
+    one["resumed"] = resume(overrides(root, "resumed1", GLOBAL, "offload.enabled=true", LOOSE_CLIP), copy)
     one["copying"] = engine_run(0, 1)
     one["tiled"] = engine_run(0, 1, tile=1, zero_copy=True, resident_blocks=0)
     return {"two": two, "four": four, "one": one}
@@ -70,6 +70,14 @@ def test_the_engine_itself_equals_one_process(runs, case):
     ranks, ref = [rank[case] for rank in runs["two"]], runs["one"][case]
     mean = [sum(losses) / len(losses) for losses in zip(*(r["losses"] for r in ranks))]  # each rank: its rows' loss
     assert mean == pytest.approx(ref["losses"], rel=1e-5)
+    for run in ranks:
+        _close(run["weights"], ref["weights"])
+
+
+def test_two_nodes_of_two_ranks_equal_one_process(runs):
+    """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE 2): a /dev/shm copy per node, the other node's
+    shards all-gathered into it after each update."""
+    ranks, ref = [rank["two_nodes"] for rank in runs["four"]], runs["one"]["copying"]
     for run in ranks:
         _close(run["weights"], ref["weights"])
 
@@ -145,7 +153,8 @@ EXPECTED = {"sp does not divide": "parallel.sp=3 does not divide the world of 2 
             "sp > heads": "parallel.sp=2: ulysses splits attention heads over ranks: 2 ranks > 1 heads",
             "configs differ": "rank 1 differs from rank 0 at run.seed (0 on rank 0, 1 there)",
             "fsdp with offload": "parallel.fsdp=true shards resident training; --offload",
-            "sp with tiles": "parallel.sp=2 with offload.tile=1: tiles inside a sequence-parallel block"}
+            "sp with tiles": "parallel.sp=2 with offload.tile=1: tiles inside a sequence-parallel block",
+            "another model": "its model config differs from this run's"}
 
 
 @pytest.mark.parametrize("case", list(EXPECTED))

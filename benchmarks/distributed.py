@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from slidefusion.models import build_model, preset  # noqa: E402
 from slidefusion.offload import OffloadEngine, OffloadPolicy  # noqa: E402
-from slidefusion.offload.sharded import make_rank_groups  # noqa: E402
+from slidefusion.offload.engine.sharded import make_rank_groups  # noqa: E402
 from slidefusion.optim import OptimConfig  # noqa: E402
 from slidefusion.parallel import LinkDelay, spawn  # noqa: E402
 

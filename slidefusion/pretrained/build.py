@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from slidefusion.errors import UserError, check
-from slidefusion.pretrained.folder import PretrainedFolder, check_supported, open_folder
-from slidefusion.pretrained.safetensors_io import stream_tensors
+from slidefusion.pretrained.folder import PretrainedFolder, open_folder
+from slidefusion.io.safetensors_stream import stream_tensors
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,10 @@ def _folder(folder: PretrainedFolder | str | Path) -> PretrainedFolder:
 
 
 def transformer_class(folder: PretrainedFolder | str | Path, name: str = "transformer") -> type[nn.Module]:
-    """The diffusers class config.json names (a supported one, or a UserError)."""
+    """The diffusers class config.json names (`open_folder` checked that it is a supported one)."""
     import diffusers
 
-    folder = _folder(folder)
-    class_name = folder.transformer_config(name).get("_class_name")
-    check_supported(class_name, folder.root)
-    return getattr(diffusers, class_name)
+    return getattr(diffusers, _folder(folder).transformer_config(name)["_class_name"])
 
 
 def build_on_meta(folder: PretrainedFolder | str | Path, name: str = "transformer") -> nn.Module:

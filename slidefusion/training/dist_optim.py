@@ -11,14 +11,14 @@ sequence-parallel hooks a training model gets.
                          number of ranks, resident or offloaded
   sequence_parallel      the Ulysses inference hooks (`parallel.parallelize`) on the training model: its
                          exchanges are differentiable (`parallel.exchange`), so backward runs through them
-The offload engine shards its own state (`offload.sharded`, `offload_optimizer(..., ranks=)`).
+The offload engine shards its own state (`offload.engine.sharded`, `OffloadEngine(..., ranks=)`).
 """
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.training.task import ResidentOptimizer
 
 
@@ -147,7 +147,7 @@ def resident_optimizer(model: nn.Module, config, ranks):
     if ranks is None or not ranks.active:
         return ResidentOptimizer(model, config.optim)
     if config.parallel.fsdp:
-        from slidefusion.adapters import adapter_for
+        from slidefusion.families import adapter_for
 
         return FsdpOptimizer(model, adapter_for(model).blocks(model), config.optim, ranks.place.dp,
                              config.parallel.cpu_offload, ranks.device)

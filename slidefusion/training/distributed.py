@@ -20,17 +20,13 @@ import datetime
 import hashlib
 import json
 import os
-import sys
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from slidefusion.diffusion.rows import Rows
-from slidefusion.cli_args import one_line
-from slidefusion.errors import NonFiniteError, UserError, check
+from slidefusion.core.errors import NonFiniteError, UserError, check
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -151,12 +147,25 @@ class Distributed:
                     self._sp_group = group
         return self._sp_group
 
+    def resident_optimizer(self, model):
+        """The resident optimizer on these ranks: plain data parallel, or FSDP2 (`parallel.fsdp`)."""
+        from slidefusion.training.dist_optim import resident_optimizer
+
+        return resident_optimizer(model, self.config, self)
+
+    def sequence_parallel(self, model) -> None:
+        """The Ulysses hooks of this rank's sample group on `model` (nothing with `parallel.sp=1`);
+        before the offload engine's hooks, which then run the hooked blocks."""
+        from slidefusion.training.dist_optim import sequence_parallel
+
+        sequence_parallel(model, self)
+
     def engine_groups(self):
         """The offload engine's process groups (None on one process)."""
         if not self.active:
             return None
         if self._engine_groups is None:
-            from slidefusion.offload.sharded import make_rank_groups
+            from slidefusion.offload.engine.sharded import make_rank_groups
 
             parallel = self.config.parallel
             self._engine_groups = make_rank_groups(self.place.local_world, parallel.shared_host, parallel.timeout_s,
@@ -268,32 +277,9 @@ def peer_failed(error: BaseException) -> bool:
     return False
 
 
-@contextmanager
-def on_ranks(prog: str):
-    """Run a command on every rank with one line per failure: an error every rank reached alike is
-    printed by rank 0 alone (the others exit with its code, silently); another rank's death or
-    silence ends this one with one line within the timeout, without waiting for a clean teardown
-    (which a dead peer could hang)."""
-    if not launched():
-        yield
-        return
-    rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
-    with warnings.catch_warnings():
-        if rank != 0:
-            warnings.simplefilter("ignore")  # rank 0 says it once
-        try:
-            yield
-        except UserError as error:
-            if rank != 0:  # a non-finite loss or weight is seen alike by every rank (mean loss, global check)
-                error.silent = getattr(error, "agreed", False) or isinstance(error, NonFiniteError)
-                error.args = (f"rank {rank}: {error}",)
-            raise
-        except Exception as error:  # noqa: BLE001 - classified: a peer's failure is one line, anything else a bug
-            if not peer_failed(error):
-                raise
-            print(f"{prog}: stopped: rank {rank}: another rank failed or stopped answering "
-                  f"({one_line(str(error))[:300]})", file=sys.stderr, flush=True)
-            os._exit(1)
+def rank_of_process() -> int:
+    """This process's rank under a launcher (RANK), or in its process group; 0 otherwise."""
+    return int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
 
 
 def shard_note(config) -> str:
@@ -307,5 +293,5 @@ def shard_note(config) -> str:
             f"{world // sp * config.run.batch_size}")
 
 
-__all__ = ["Distributed", "PeerFailure", "Place", "check_same_config", "launched", "on_ranks", "peer_failed",
-           "shard_note", "start"]
+__all__ = ["Distributed", "PeerFailure", "Place", "check_same_config", "launched", "peer_failed",
+           "rank_of_process", "shard_note", "start"]

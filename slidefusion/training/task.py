@@ -9,6 +9,8 @@ loss as a function of the model (`loss_fn`), and says which weights a checkpoint
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -21,7 +23,9 @@ from slidefusion.diffusion import contrastive_flow_loss, flow_loss
 from slidefusion.diffusion.rows import local_rows
 from slidefusion.errors import UserError
 from slidefusion.models import build_model
-from slidefusion.offload.training import offload_optimizer
+from slidefusion.offload import OffloadEngine, OffloadPolicy, Workload, engine_blocks, fitting_policy
+from slidefusion.offload.policy import AUTO
+from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
 from slidefusion.text import CaptionCache, build_text_encoder
 from slidefusion.vae import build_autoencoder
 
@@ -65,6 +69,19 @@ class ResidentOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int], shape: ModelShape) -> OffloadPolicy:
+    """The engine's policy: the `offload:` section with the run's device and the `optim:` section,
+    its `auto` values resolved against `model` (meta is enough) with `blocks` (the engine's, in call
+    order) and one step of `grid` (T, H, W), or the planner's one-line refusal. `shape`: the widths
+    the activations scale with."""
+    policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim)
+    if config.parallel.sp > 1 and policy.tile == AUTO:  # tiles do not split over a sample's ranks: whole blocks
+        policy = dataclasses.replace(policy, tile=None)
+    attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
+    work = Workload(batch=config.run.batch_size, tokens=math.prod(grid), attention=attention, frames=grid[0])
+    return fitting_policy(model, blocks, policy, shape, work)
 
 
 def data_options(data) -> dict:
@@ -146,11 +163,17 @@ class OwnModelTask:
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, "cpu" if offload else device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        from slidefusion.training.dist_optim import resident_optimizer, sequence_parallel
-
-        sequence_parallel(self.model, ranks)  # before the offload engine's hooks, which then run the hooked blocks
-        self.optimizer = (offload_optimizer(self.model, config, grid, ranks=None if ranks is None else ranks.engine_groups())
-                          if offload else resident_optimizer(self.model, config, ranks))
+        if ranks is not None:
+            ranks.sequence_parallel(self.model)  # before the offload engine's hooks, which then run the hooked blocks
+        if offload:
+            blocks = engine_blocks(self.model)
+            policy = offload_policy(config, self.model, blocks, grid, shape_of_config(config.model))
+            groups = None if ranks is None else ranks.engine_groups()
+            self.optimizer = OffloadEngine(self.model, blocks, policy, ranks=groups)
+        elif ranks is None:
+            self.optimizer = ResidentOptimizer(self.model, config.optim)
+        else:
+            self.optimizer = ranks.resident_optimizer(self.model)
 
     def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
         """This rank's clips (B, 3, T, H, W) of the step's batch, and the whole batch's captions,

@@ -4,11 +4,15 @@ bytes, and the collectives' terms of the step time."""
 import pytest
 
 from slidefusion.cli import main
-from slidefusion.errors import UserError
-from slidefusion.offload.plan_distributed import Cluster, plan_cluster
-from slidefusion.offload.planner import Workload, grid_for, model_shape, plan_training
+from slidefusion.core.errors import UserError
+from slidefusion.offload.plan.distributed import Cluster, plan_cluster
+from slidefusion.offload.plan.model_shape import model_shape
+from slidefusion.offload.plan.planner import Machine, grid_for, plan_policy
+from slidefusion.offload.policy import OffloadPolicy
+from slidefusion.offload.tiling.activations import Workload
 
-SIZES = dict(gpu_memory=141e9, pcie_bytes_s=55e9, tflops=990.0, compute_bytes=2)
+POLICY = OffloadPolicy(compute_dtype="bfloat16")
+MACHINE = Machine(gpu_memory=141e9, host_memory=1.5e12, pcie_bytes_s=55e9, tflops=990.0)
 
 
 def _work(shape, frames=81):
@@ -18,7 +22,7 @@ def _work(shape, frames=81):
 
 def _plan(gpus, nodes=1, **options):
     shape = model_shape("wan2.1-14b")
-    return shape, plan_cluster(shape, _work(shape), Cluster(gpus, nodes, **options), 1.5e12, **SIZES)
+    return shape, plan_cluster(shape, _work(shape), Cluster(gpus, nodes, **options), POLICY, MACHINE)
 
 
 def test_node_host_bytes_do_not_grow_with_the_ranks_of_a_node_sharing_one_copy():
@@ -33,7 +37,7 @@ def test_node_host_bytes_do_not_grow_with_the_ranks_of_a_node_sharing_one_copy()
 
 def test_one_gpu_is_the_one_gpu_plan_and_has_no_collectives():
     shape, one = _plan(1)
-    alone = plan_training(shape, _work(shape), host_memory=1.5e12, **SIZES)
+    alone = plan_policy(shape, _work(shape), POLICY, MACHINE)
     assert one.gpu.device == alone.device
     assert one.terms["reduce-scatter"] == 0 and one.terms["all-gather"] == 0
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError
-from slidefusion.offload.formats import block_starts
-from slidefusion.offload.host_state import GroupState
-from slidefusion.offload.layout import GroupSpec, layout_of
-from slidefusion.offload.optimizer import update_group
+from slidefusion.core.errors import UserError
+from slidefusion.offload.optim.formats import block_starts
+from slidefusion.offload.engine.host_state import GroupState
+from slidefusion.offload.engine.layout import GroupSpec, layout_of
+from slidefusion.offload.optim.update import update_group
 from slidefusion.offload.policy import OffloadPolicy
-from slidefusion.offload.sharded import Sharding, piece
-from slidefusion.offload.shared_host import check_room
+from slidefusion.offload.engine.sharded import Sharding, piece
+from slidefusion.offload.engine.shared_host import check_room
 from slidefusion.optim import OptimConfig
 
 SIZES = (3001, 77, 5000, 2048)  # awkward: tensors that are not whole blocks, one shorter than a vector tail
@@ -82,7 +82,7 @@ def test_shards_updated_apart_equal_the_whole_group_bitwise(master, moments, rou
 def test_a_shard_that_hashed_its_own_indices_would_round_differently():
     """The check above can fail: stochastic rounding keyed by the shard's own element index (base 0)
     gives another master than the whole group's."""
-    from slidefusion.offload import lean
+    from slidefusion.offload.optim import lean
 
     policy = _policy("bf16", "bf16")
     whole, shard = _group(policy), _group(policy, Sharding(2, 1))

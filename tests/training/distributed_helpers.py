@@ -70,7 +70,7 @@ def engine_run(rank: int, world: int, **options) -> dict:
     process, no ranks)."""
     from slidefusion.models import build_model, preset
     from slidefusion.offload import OffloadEngine, OffloadPolicy
-    from slidefusion.offload.sharded import make_rank_groups
+    from slidefusion.offload.engine.sharded import make_rank_groups
     from slidefusion.optim import OptimConfig
 
     torch.manual_seed(0)
@@ -131,7 +131,7 @@ def sp_case(name: str):
     from slidefusion.testing.tiny import tiny_latents, tiny_model, tiny_text
 
     if name == "wan":
-        from slidefusion.adapters import adapter_for
+        from slidefusion.families import adapter_for
 
         model = tiny_model("wan")
         latents = tiny_latents(model, 1, (2, 6, 10))

@@ -4,9 +4,9 @@ multi-rank behaviour is in test_distributed.py)."""
 import pytest
 
 from slidefusion.cli import main
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.training import load_config
-from slidefusion.training.parallel_config import ParallelTrainConfig
+from slidefusion.training.config import ParallelTrainConfig
 
 TINY = ["model.preset=dit3d-tiny", "data.frames=2", "data.height=8", "data.width=8", "run.batch_size=1", "run.steps=1"]
 

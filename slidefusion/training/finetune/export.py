@@ -3,7 +3,8 @@
 A full fine-tune becomes a pipeline folder: every component of the source folder copied untouched
 (model_index.json, text encoders, tokenizers, VAE, scheduler, the other Wan 2.2 expert), and the
 trained transformer as config.json plus safetensors weights, sharded past `max_shard_size` with
-diffusers' index file, each tensor in the dtype the source stored it in (or `dtype`, by diffusers'
+diffusers' index file (huggingface_hub's `save_torch_state_dict` splits them, as diffusers' own
+save_pretrained does), each tensor in the dtype the source stored it in (or `dtype`, by diffusers'
 rule: `_keep_in_fp32_modules` stay float32). `<Pipeline>.from_pretrained(OUT)` loads it.
 
 A LoRA fine-tune becomes the adapter alone, in the layout `pipe.load_lora_weights(OUT)` reads
@@ -14,68 +15,27 @@ A run with `model.attention=slide` (or neighborhood) is refused with one line: d
 transformer classes cannot hold its offset networks, and a folder without them would run dense
 attention, a different model; `generate --checkpoint` samples such a run as trained.
 
-Either is written into a temporary folder and renamed into place (`atomic_folder`), after
+Either is written by `slidefusion.io.export` (a temporary folder renamed into place), after
 `check_export_destination`.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from slidefusion.errors import UserError, check
-from slidefusion.training.checkpoint import (
-    atomic_folder,
-    check_export_destination,
-    contiguous_state,
-    first_nonfinite,
-    load_checkpoint,
-    resolve_checkpoint,
-)
-from slidefusion.training.finetune import lora as lora_lib
-
-WEIGHTS, INDEX = "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json"
-DEFAULT_SHARD = 5 * 2**30
-
-
-def shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names grouped into shards of at most `max_bytes` each (a larger tensor gets a shard alone)."""
-    groups, size = [[]], 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    return groups
-
-
-def write_weights(folder: Path, weights: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
-    """diffusers' transformer weights in `folder`: one file, or numbered shards and their index."""
-    groups = shards(weights, max_bytes)
-    if len(groups) == 1:
-        save_file(contiguous_state(weights), folder / WEIGHTS, metadata={"format": "pt"})
-        return [WEIGHTS]
-    names, weight_map = [], {}
-    for i, group in enumerate(groups, start=1):
-        name = WEIGHTS.replace(".safetensors", f"-{i:05d}-of-{len(groups):05d}.safetensors")
-        save_file(contiguous_state({k: weights[k] for k in group}), folder / name, metadata={"format": "pt"})
-        weight_map.update({k: name for k in group})
-        names.append(name)
-    total = sum(t.numel() * t.element_size() for t in weights.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return [*names, INDEX]
+from slidefusion.io.checkpoint import check_export_destination, first_nonfinite, load_checkpoint, resolve_checkpoint
+from slidefusion.io.export import DEFAULT_SHARD, write_lora, write_pipeline_folder
+from slidefusion.pretrained import lora as lora_lib
+from slidefusion.run_config import SamplingConfig
 
 
 def _cast(weights: dict, folder, expert: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Each tensor as the source stored it, or as `dtype` by diffusers' rule."""
+    from slidefusion.io.safetensors_stream import target_dtype
     from slidefusion.pretrained import transformer_class
-    from slidefusion.pretrained.safetensors_io import target_dtype
 
     stored = {e.name: e.dtype for e in folder.weight_entries(expert)}
     keep = getattr(transformer_class(folder, expert), "_keep_in_fp32_modules", None) or ()
@@ -89,14 +49,10 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
                      force: bool = False, max_shard_size: int = DEFAULT_SHARD) -> tuple[Path, str]:
     """Write the diffusers form of a fine-tune's checkpoint; returns (folder, what it is)."""
     from slidefusion.pretrained import open_folder
-    from slidefusion.training.config import TrainConfig, build
 
     destination = check_export_destination(resolve_checkpoint(source), destination, force)
     ckpt = load_checkpoint(source)
-    try:
-        config = build(TrainConfig, ckpt.config)
-    except UserError as error:
-        raise UserError(f"checkpoint {ckpt.path}: config.json: {error}") from None
+    config = SamplingConfig.of_checkpoint(ckpt)
     if not config.pretrained:
         raise UserError(f"--format diffusers needs a checkpoint of a diffusers fine-tune (model.pretrained=DIR); "
                         f"{ckpt.path} trained our own {config.model.arch}: use --format slidefusion")
@@ -111,15 +67,8 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
     if config.lora.enabled:
         return _export_lora(folder, config, weights, destination), "LoRA weights (pipe.load_lora_weights(OUT))"
     expert = config.model.expert
-    weights = _cast(weights, folder, expert, dtype)
-    with atomic_folder(destination) as tmp:
-        for entry in sorted(folder.root.iterdir()):
-            if entry.name == expert or entry.name.startswith("."):
-                continue
-            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp / entry.name)
-        (tmp / expert).mkdir()
-        shutil.copy2(folder.transformer_dir(expert) / "config.json", tmp / expert / "config.json")
-        write_weights(tmp / expert, weights, max_shard_size)
+    write_pipeline_folder(folder.root, destination, expert, folder.transformer_dir(expert) / "config.json",
+                          _cast(weights, folder, expert, dtype), max_shard_size)
     return destination, f"a {folder.pipeline_class} folder with the fine-tuned {expert}"
 
 
@@ -135,7 +84,4 @@ def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
     meta = build_on_meta(folder, config.model.expert)
     metadata = lora_lib.peft_config(meta, config.lora, folder.adapter(config.model.expert).lora_targets).to_dict()
     metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-    with atomic_folder(destination) as tmp:
-        cls.save_lora_weights(str(tmp), transformer_lora_layers=contiguous_state(state),
-                              transformer_lora_adapter_metadata=metadata)
-    return destination
+    return write_lora(cls, destination, state, metadata)

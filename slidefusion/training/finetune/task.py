@@ -31,31 +31,31 @@ from torch import nn
 
 from slidefusion import memory
 from slidefusion.errors import UserError, check
-from slidefusion.offload.shapes import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
-from slidefusion.offload.spill import check_spill_dir
-from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
-from slidefusion.offload import OffloadEngine
-from slidefusion.offload.training import engine_blocks, fitting_policy
+from slidefusion.offload import OffloadEngine, engine_blocks
+from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
+from slidefusion.offload.tiling.tile_runner import tiling_refusal
+from slidefusion.pretrained import lora as lora_lib
 from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
-from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
 from slidefusion.diffusion.rows import local_rows
-from slidefusion.training.task import ResidentOptimizer, dataset_caption, dataset_of, draw_batch, load_model_weights  # noqa: F401
+from slidefusion.training.task import (ResidentOptimizer, dataset_caption, dataset_of, draw_batch,
+                                       load_model_weights, offload_policy)
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
 
 
-def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
-    """What the offload planner needs of a diffusers transformer (built on meta is enough)."""
-    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in adapter.blocks(model))
+def model_shape(model: nn.Module, adapter, blocks, attention: str) -> ModelShape:
+    """What the offload planner needs of a diffusers transformer (built on meta is enough) whose
+    blocks in call order are `blocks`."""
+    counts = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     hidden = heads * int(cfg.attention_head_dim)
     ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
-    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
+    rest = sum(p.numel() for p in model.parameters()) - sum(counts)
+    return ModelShape(adapter.class_name, counts, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
                       tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
@@ -68,53 +68,39 @@ class FolderTask:
     rows = None  # this rank's share of each step's batch (a data-parallel trainer sets it)
 
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
-        from slidefusion.pretrained import build_on_meta, folder_adapter, latent_shape, load_scheduler, open_folder
-        from slidefusion.pretrained.folder import read_json
+        from slidefusion.pretrained.source import open_source
         from slidefusion.training.dist_optim import check_sequence_parallel
 
-        self.config, self.device, cfg = config, device, config.model
+        self.config, self.device, cfg, data = config, device, config.model, config.data
         self.ranks, self.rows = ranks, None if ranks is None else ranks.rows(config.run.batch_size)
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
-        self.folder = folder = open_folder(cfg.pretrained)
-        check(folder.is_pipeline, f"model.pretrained={cfg.pretrained} is a bare transformer folder; training needs a "
-                                  "pipeline folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
-        check(cfg.expert in folder.transformer_names, f"model.expert={cfg.expert} is not in {folder.root}; valid: "
-                                                      f"{', '.join(folder.transformer_names)}")
-        vae_config = read_json(folder.component_dir("vae") / "config.json", "VAE config")
-        self.adapter = adapter = folder_adapter(folder, vae_config, cfg.expert)
-        meta = build_on_meta(folder, cfg.expert)
-        folder.weight_entries(cfg.expert)  # every shard there, before anything is cached
-        data = config.data
-        try:
-            self.latent = latent_shape(adapter, meta, vae_config, data.frames, data.height, data.width)[1:]
-        except UserError as error:
-            raise UserError(f"data.frames/height/width: {error}") from None
-        self.grid = adapter.token_grid(meta, (1, *self.latent))
-        self.slide = cfg.slide
+        source = open_source(cfg.pretrained, cfg.expert, data.frames, data.height, data.width)
+        self.folder, self.adapter, self.latent, self.grid = source.folder, source.adapter, source.latent, source.grid
+        meta, self.slide = source.meta, cfg.slide
         self._adapt(meta)
         check_sequence_parallel(meta, config.parallel.sp)  # parallel.sp beyond the heads fails before any cache
         if not quiet:
             self._say_window()
-        expert = next(e for e in folder.experts() if e.name == cfg.expert)
-        ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
-        self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
-        if config.offload.enabled and isinstance(config.offload.tile, int):  # before any cache is written
-            check_tileable(meta, adapter.blocks(meta), config.offload.tile)
-        if config.offload.enabled and config.offload.spill_dir is not None:
-            check_spill_dir(config.offload.spill_dir)
-        self.policy = None
-        if config.offload.enabled:  # the planner's refusal now, not after the caches; the engine takes this plan
-            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
-            self.policy = fitting_policy(meta, config, self.grid, model_shape(meta, adapter, attention))
-        else:
-            params = sum(p.numel() for p in meta.parameters())
-            memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
-                              "training resident", "train with --offload, or use lora.rank")
+        self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
+        self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
         self.dataset = dataset_of(data)
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
         self.run_dir, self.quiet = run_dir, quiet
         self.model, self.optimizer, self.cache = meta, None, None
+
+    def _fit(self, meta: nn.Module, device: torch.device):
+        """The engine's resolved policy with --offload (the engine takes this plan), else the resident
+        memory check; None when resident."""
+        if self.config.offload.enabled:
+            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
+            self.blocks = engine_blocks(meta, self.adapter)  # what the engine will stream: `prepare` builds it on these
+            shape = model_shape(meta, self.adapter, self.blocks, attention)
+            return offload_policy(self.config, meta, self.blocks, self.grid, shape)
+        params = sum(p.numel() for p in meta.parameters())
+        memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
+                          "training resident", "train with --offload, or use lora.rank")
+        return None
 
     def prepare(self) -> None:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
@@ -152,13 +138,13 @@ class FolderTask:
     def _resident(self) -> ResidentOptimizer:
         from slidefusion.pretrained import load_transformer
 
-        from slidefusion.training.dist_optim import resident_optimizer, sequence_parallel
-
         model = load_transformer(self.folder, self.config.model.expert, torch.float32)
         self._adapt(model, weights=True)
         self.model = model.to(self.device).train()
-        sequence_parallel(self.model, self.ranks)
-        return resident_optimizer(self.model, self.config, self.ranks)
+        if self.ranks is None:
+            return ResidentOptimizer(self.model, self.config.optim)
+        self.ranks.sequence_parallel(self.model)
+        return self.ranks.resident_optimizer(self.model)
 
     def _adapt(self, model: nn.Module, weights: bool = False) -> None:
         """Slide attention, then LoRA, on `model` (meta or real); with `weights`, their initial values."""
@@ -191,11 +177,10 @@ class FolderTask:
     def _offloaded(self):
         from slidefusion.pretrained import iter_weights
 
-        from slidefusion.training.dist_optim import sequence_parallel
-
         model = self.model
-        sequence_parallel(model, self.ranks)  # before the engine's hooks
-        engine = OffloadEngine(model, engine_blocks(model), self.policy,
+        if self.ranks is not None:
+            self.ranks.sequence_parallel(model)  # before the engine's hooks
+        engine = OffloadEngine(model, self.blocks, self.policy,
                                ranks=None if self.ranks is None else self.ranks.engine_groups())
         names = lora_lib.folder_names(model)
         skipped = []

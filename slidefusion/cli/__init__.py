@@ -42,12 +42,14 @@ def main(argv: list[str] | None = None) -> int:
             args.func(args)
         except UserError as error:
             kind = "stopped" if getattr(error, "exit_code", 2) != 2 else "error"
-            if kind == "error" and follower_rank():  # bad input: rank 0 says it, once
+            silent = getattr(error, "silent", None)  # set by a multi-rank train: True where rank 0 says it
+            if kind == "error" and follower_rank() and silent is not False:  # bad input: rank 0 says it, once
                 try:
                     leave_after_rank_zero(error, args.command_parser)
                 except SystemExit as done:
                     return done.code
-            print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
+            if not silent:
+                print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
             return getattr(error, "exit_code", 2)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)

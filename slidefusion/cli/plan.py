@@ -1,6 +1,7 @@
 """`slidefusion plan`: the memory planner on the command line. Its policy flags set the fields of the
 same `OffloadPolicy` a config's `offload:` section does (`--resident-blocks auto` is
-`offload.resident_blocks=auto`), checked by the policy itself."""
+`offload.resident_blocks=auto`), checked by the policy itself. With `--gpus N` it plans a run on
+several GPUs (`offload.plan.distributed`): the engine's state sharded over the ranks."""
 
 import argparse
 import dataclasses
@@ -8,7 +9,7 @@ import dataclasses
 import yaml
 
 from slidefusion.cli import args as types
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.offload.policy import MASTERS, MOMENTS, ROUNDINGS, OffloadPolicy
 
 # The policy's fields the planner takes as flags (--resident-blocks sets offload.resident_blocks, ...).
@@ -39,7 +40,8 @@ def add_parser(subparsers) -> None:
                       help="self-attention operator (default: the model's own; Wan: flash)")
     plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB",
                       help="device memory with its unit, e.g. 24GB or 24GiB (default 141GB, an H200; a bare number is refused)")
-    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", help="host memory with its unit, e.g. 128GB (default 1.5TB)")
+    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", 
+                      help="host memory with its unit, e.g. 128GB (default 1.5TB); with --gpus, per node")
     plan.add_argument("--pcie", type=types.bandwidth, default=DEFAULT_PCIE,
                       help=f"host<->device bandwidth with its unit, e.g. 25GB/s (default {DEFAULT_PCIE})")
     plan.add_argument("--tflops", type=types.number(0, low_open=True), default=DEFAULT_TFLOPS,
@@ -54,7 +56,9 @@ def add_parser(subparsers) -> None:
             plan.add_argument("--" + key.replace("_", "-"), type=types.arg_type(key, _policy_value(key)), default=default,
                               metavar=key.upper(), help=help_)
     _add_activation_flags(plan)
-    plan.add_argument("--batch", type=types.positive_int, default=1)
+    _add_cluster_flags(plan)
+    plan.add_argument("--batch", type=types.positive_int, default=1,
+                      help="samples per step (with --gpus: per data-parallel rank)")
     plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
                       help="autoencoder stride t,h,w (default 4,8,8)")
     plan.set_defaults(func=run)
@@ -65,6 +69,17 @@ def _add_activation_flags(plan: argparse.ArgumentParser) -> None:
                       help="free disk for spilled checkpoints (offload.spill_dir) with its unit, e.g. 2TB; default: none")
     plan.add_argument("--disk-bandwidth", type=types.bandwidth, default="3GB/s",
                       help="read/write bandwidth of that disk (default 3GB/s, one NVMe drive)")
+
+
+def _add_cluster_flags(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--gpus", type=types.positive_int, help="GPUs per node (torchrun --nproc-per-node): plan a "
+                      "data-parallel run with the offload engine's state sharded over the ranks")
+    plan.add_argument("--nodes", type=types.positive_int, default=1, help="nodes (torchrun --nnodes; default 1)")
+    plan.add_argument("--interconnect", type=types.number(0, low_open=True), metavar="GBPS",
+                      help="collective bandwidth per GPU in Gbit/s (default: 3600, NVLink, on one node; 400 across nodes)")
+    plan.add_argument("--sp", type=types.positive_int, default=1, help="ranks per sample (parallel.sp; default 1)")
+    plan.add_argument("--one-host-copy-per-rank", action="store_true",
+                      help="each rank its own host compute copy (parallel.shared_host=false)")
 
 
 def _policy_value(key: str):
@@ -102,6 +117,10 @@ def run(args) -> None:
     attention = args.attention or shape.attention
     grid = grid_for(args.frames, args.height, args.width, shape.patch, stride)
     work = Workload(args.batch, grid[0] * grid[1] * grid[2], attention, frames=grid[0])
+    if args.gpus is not None:
+        return _plan_cluster(args, shape, work, grid, policy, machine)
+    if args.nodes != 1 or args.sp != 1 or args.interconnect is not None or args.one_host_copy_per_rank:
+        raise UserError("--nodes, --sp, --interconnect and --one-host-copy-per-rank plan a multi-GPU run: add --gpus N")
     plan = plan_policy(shape, work, policy, machine)
     print(report(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height} ({grid[0]}x{grid[1]}x{grid[2]} "
                        f"tokens), {attention} attention, batch {args.batch}; master {policy.master}, moments {policy.moments}"))
@@ -175,3 +194,17 @@ def _suggest(args, shape, work, policy: OffloadPolicy, machine) -> None:
             return
     print(line + "none, even with lean host state and a disk (one latent frame does not fit); "
                  "lower --height/--width, or use a machine with more memory")
+
+
+def _plan_cluster(args, shape, work, grid, policy, machine) -> None:
+    from slidefusion.offload.plan.distributed import Cluster, plan_cluster, report_cluster
+
+    if args.sp > shape.heads:
+        raise UserError(f"--sp {args.sp} is more than the {shape.heads} attention heads of {args.model} "
+                        "(Ulysses splits heads over the ranks of a sample)")
+    cluster = Cluster(args.gpus, args.nodes, args.sp, None if args.interconnect is None else args.interconnect * 1e9 / 8,
+                      shared=not args.one_host_copy_per_rank)
+    plan = plan_cluster(shape, work, cluster, policy, machine)
+    print(report_cluster(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height} ({grid[0]}x{grid[1]}x"
+                               f"{grid[2]} tokens), {work.attention} attention, {args.batch} per data-parallel rank; "
+                               f"master {policy.master}, moments {policy.moments}, offload engine"))

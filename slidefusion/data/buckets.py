@@ -102,13 +102,16 @@ class BucketBatches:
 
     `buckets[i]` is sample i's bucket, `repeats[i]` how often it appears per epoch."""
 
-    def __init__(self, buckets: list[Bucket], repeats: list[int], batch_size: int, seed: int):
+    def __init__(self, buckets: list[Bucket], repeats: list[int], batch_size: int, seed: int, whole: int = 1):
+        """`whole` > 1 (data-parallel ranks x their batch): a bucket's last, short batch is completed
+        to a multiple of `whole` with samples of the same bucket from the start of its order, as
+        torch's DistributedSampler completes its last batch, so that no rank is left without rows."""
         check(len(buckets) == len(repeats) and len(buckets) > 0, "no samples to deal into batches")
         self.groups: dict[Bucket, list[int]] = {}
         for index, (bucket, times) in enumerate(zip(buckets, repeats)):
             self.groups.setdefault(bucket, []).extend([index] * times)
         self.groups = dict(sorted(self.groups.items()))
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.whole = batch_size, seed, whole
         self.per_epoch = sum(math.ceil(len(g) / batch_size) for g in self.groups.values())
         self._epoch: tuple[int, list[list[int]]] | None = None
 
@@ -119,9 +122,14 @@ class BucketBatches:
             batches = []
             for samples in self.groups.values():
                 order = [samples[i] for i in torch.randperm(len(samples), generator=generator).tolist()]
-                batches += [order[k:k + self.batch_size] for k in range(0, len(order), self.batch_size)]
+                batches += [self._complete(order[k:k + self.batch_size], order)
+                            for k in range(0, len(order), self.batch_size)]
             self._epoch = (epoch, [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()])
         return self._epoch[1]
+
+    def _complete(self, batch: list[int], order: list[int]) -> list[int]:
+        short = -len(batch) % self.whole
+        return batch + [order[i % len(order)] for i in range(short)]
 
     def batch(self, number: int) -> list[int]:
         """Batch `number` of the run (0-based, counting across epochs)."""

@@ -16,7 +16,6 @@ import math
 import re
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from slidefusion.core.errors import UserError, check

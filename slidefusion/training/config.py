@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from slidefusion.core import validate
-from slidefusion.core.errors import check
+from slidefusion.core.errors import UserError, check
 from slidefusion.data.config import DataConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.diffusion.flow import FlowConfig
 from slidefusion.io.config import build, read_yaml
-from slidefusion.offload.policy import OffloadPolicy
+from slidefusion.offload.policy import AUTO, OffloadPolicy
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.run_config import SamplingConfig
 from slidefusion.training.validation_config import ValidateConfig
@@ -71,6 +71,31 @@ class RunConfig:
 
 
 @dataclass
+class ParallelTrainConfig:
+    """The `parallel:` section: how a run launched on several ranks (`torchrun --nproc-per-node N -m
+    slidefusion train CONFIG ...`) splits its work; a run on one process ignores it. The world of
+    ranks is `dp x sp`: `sp` ranks share each sample (sequence parallelism, Ulysses over heads) and
+    the `dp = world / sp` groups of them each take their own samples (data parallelism).
+
+    Resident runs: plain data parallelism (gradients all-reduced), or `fsdp` (FSDP2, one
+    `fully_shard` per block; `cpu_offload`: its CPUOffloadPolicy). Offloaded runs (`--offload`):
+    the offload engine with its host state sharded over the ranks, one host copy per node
+    (`shared_host`). The spelling other trainers document, `train.parallel.KEY`, means `parallel.KEY`."""
+
+    fsdp: bool = False  # resident only: FSDP2 per block with a bf16/fp32 mixed precision policy
+    cpu_offload: bool = False  # with fsdp: FSDP2's CPUOffloadPolicy (parameters and optimizer on the host)
+    sp: int = 1  # ranks per sample (Ulysses over attention heads); must divide the world and be <= the heads
+    shared_host: bool = True  # offload: the node's ranks share one host compute copy in /dev/shm
+    timeout_s: float = 300.0  # every collective's limit: a dead or stuck rank ends the others after this
+
+    def __post_init__(self):
+        validate.integer(self.sp, "parallel.sp", 1, 1 << 16)
+        validate.finite(self.timeout_s, "parallel.timeout_s", 0, 86_400, low_open=True)
+        check(self.fsdp or not self.cpu_offload, "parallel.cpu_offload=true needs parallel.fsdp=true (it is FSDP2's "
+                                                 "CPUOffloadPolicy; the offload engine is --offload)")
+
+
+@dataclass
 class TrainConfig(SamplingConfig):
     """A training run: what it trains (`SamplingConfig`'s sections: the model, LoRA, the video, text
     encoder and autoencoder) and how (the objective, the optimizer, the run, the offload engine,
@@ -81,8 +106,36 @@ class TrainConfig(SamplingConfig):
     run: RunConfig = field(default_factory=RunConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)  # `enabled` (--offload) trains with the engine
     validate: ValidateConfig = field(default_factory=ValidateConfig)  # samples and a held-out loss (folders)
+    parallel: ParallelTrainConfig = field(default_factory=ParallelTrainConfig)  # under torchrun: dp x sp ranks
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.parallel.sp == 1 or self.offload.tile in (None, AUTO),
+              f"parallel.sp={self.parallel.sp} with offload.tile={self.offload.tile}: tiles inside a sequence-parallel "
+              "block are not supported; use offload.tile=off (each rank already holds 1/sp of the tokens)")
+        check(not self.parallel.cpu_offload or str(self.run.device).startswith("cuda"),
+              f"parallel.cpu_offload=true keeps FSDP2's parameters on the host for a GPU to compute with; "
+              f"run.device={self.run.device} has none (use run.device=cuda, or parallel.cpu_offload=false)")
+        check(not (self.parallel.fsdp and self.offload.enabled),
+              "parallel.fsdp=true shards resident training; --offload (offload.enabled) shards the offload engine's "
+              "host state instead: choose one")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Read a YAML config (or the defaults when `path` is None), apply overrides, validate."""
-    return build(TrainConfig, read_yaml(path, overrides))
+    data = read_yaml(path, overrides)
+    merge_train_alias(data)
+    return build(TrainConfig, data)
+
+
+def merge_train_alias(data: dict) -> None:
+    """Accept `train.parallel.KEY` (the spelling other trainers document) as `parallel.KEY`, in place."""
+    train = data.pop("train", None)
+    if train is None:
+        return
+    if not isinstance(train, dict) or set(train) != {"parallel"} or not isinstance(train["parallel"], dict):
+        raise UserError(f"config key train={train!r} is unknown; only train.parallel.KEY is accepted (the same as "
+                        "parallel.KEY, e.g. train.parallel.fsdp=true)")
+    section = data.setdefault("parallel", {})
+    check(isinstance(section, dict), f"parallel={section!r} must be a section (a mapping), e.g. parallel.sp=2")
+    section.update(train["parallel"])

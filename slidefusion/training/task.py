@@ -21,8 +21,10 @@ from slidefusion.data import build_dataset
 from slidefusion.data.shapes import DIRECTIONS, with_other_direction
 from slidefusion.diffusion import contrastive_flow_loss, flow_loss
 from slidefusion.core.errors import UserError, check
+from slidefusion.diffusion.rows import local_rows
 from slidefusion.models import build_model
 from slidefusion.offload import OffloadEngine, OffloadPolicy, Workload, engine_blocks, fitting_policy
+from slidefusion.offload.policy import AUTO
 from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
 from slidefusion.text import CaptionCache, build_text_encoder
 from slidefusion.vae import build_autoencoder
@@ -80,6 +82,8 @@ def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int],
     order) and one step of `grid` (T, H, W), or the planner's one-line refusal. `shape`: the widths
     the activations scale with."""
     policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim)
+    if config.parallel.sp > 1 and policy.tile == AUTO:  # tiles do not split over a sample's ranks: whole blocks
+        policy = dataclasses.replace(policy, tile=None)
     attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
     work = Workload(batch=config.run.batch_size, tokens=math.prod(grid), attention=attention, frames=grid[0])
     return fitting_policy(model, blocks, policy, shape, work)
@@ -123,10 +127,22 @@ def dataset_of(data, quiet: bool = True):
 
 
 def draw_batch(dataset, size: int, caption_dropout: float, generator: torch.Generator, caption_of):
-    """(indices, captions) of one batch, some captions dropped to "" for CFG: the same draws for every task."""
+    """(indices, captions) of one batch, some captions dropped to "" for CFG: the same draws for every task.
+    A data-parallel rank draws the whole global batch (`size`) and keeps its `Rows`."""
     indices = torch.randint(len(dataset), (size,), generator=generator).tolist()
     drop = torch.rand(size, generator=generator) < caption_dropout
     return indices, ["" if d else caption_of(i) for d, i in zip(drop.tolist(), indices)]
+
+
+def dataset_caption(dataset, index: int) -> str:
+    """A clip's caption without decoding its video where the dataset allows."""
+    if hasattr(dataset, "captions"):
+        return dataset.captions[index]
+    if hasattr(dataset, "scene"):
+        from slidefusion.data import caption
+
+        return caption(dataset.scene(index))
+    return dataset[index]["caption"]
 
 
 def with_negatives(captions: list[str], generator: torch.Generator) -> tuple[list[str], torch.Tensor]:
@@ -141,12 +157,16 @@ def with_negatives(captions: list[str], generator: torch.Generator) -> tuple[lis
 
 class OwnModelTask:
     """One of our presets trained by rectified flow, text from `config.text_encoder` (captions cached
-    per run), latents from `config.autoencoder`."""
+    per run), latents from `config.autoencoder`. `rows` (set by a data-parallel trainer): this
+    rank's share of each step's batch (None: all of it)."""
 
-    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
+    rows = None
+
+    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
         self.config, self.device = config, device
         check(not config.validate.enabled, "validate.prompts and validate.data apply to fine-tunes of diffusers folders "
                                            "(model.pretrained=DIR); sample our own models with generate --checkpoint")
+        self.rows = None if ranks is None else ranks.rows(config.run.batch_size)
         data = config.data
         self.autoencoder = build_autoencoder(config.autoencoder).to(device)
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
@@ -164,12 +184,17 @@ class OwnModelTask:
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, "cpu" if offload else device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
+        if ranks is not None:
+            ranks.sequence_parallel(self.model)  # before the offload engine's hooks, which then run the hooked blocks
         if offload:
             blocks = engine_blocks(self.model)
             policy = offload_policy(config, self.model, blocks, grid, shape_of_config(config.model))
-            self.optimizer = OffloadEngine(self.model, blocks, policy)
-        else:
+            groups = None if ranks is None else ranks.engine_groups()
+            self.optimizer = OffloadEngine(self.model, blocks, policy, ranks=groups)
+        elif ranks is None:
             self.optimizer = ResidentOptimizer(self.model, config.optim)
+        else:
+            self.optimizer = ranks.resident_optimizer(self.model)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -181,10 +206,12 @@ class OwnModelTask:
         return None
 
     def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-        """A batch of clips (B, 3, T, H, W) and captions, some dropped to "" for CFG."""
-        indices, captions = draw_batch(self.dataset, self.config.run.batch_size, self.config.diffusion.caption_dropout,
-                                       generator, lambda i: self.dataset[i]["caption"])
-        return torch.stack([self.dataset[i]["video"] for i in indices]), captions
+        """This rank's clips (B, 3, T, H, W) of the step's batch, and the whole batch's captions,
+        some dropped to "" for CFG."""
+        rows = local_rows(self.rows, self.config.run.batch_size)
+        indices, captions = draw_batch(self.dataset, rows.total, self.config.diffusion.caption_dropout,
+                                       generator, lambda i: dataset_caption(self.dataset, i))
+        return torch.stack([self.dataset[i]["video"] for i in rows.take(indices)]), captions
 
     def loss_fn(self, generator: torch.Generator, step: int = 0):
         """The step's loss as a function of the model, as the optimizer seam wants it; with
@@ -194,21 +221,25 @@ class OwnModelTask:
         return fns[0] if accum == 1 else fns
 
     def _micro_loss(self, generator: torch.Generator, weight: float):
+        rows = local_rows(self.rows, self.config.run.batch_size)
         video, captions = self.batch(generator)
         with torch.no_grad():
             latents = self.autoencoder.encode(video.to(self.device))
         diffusion = self.config.diffusion
         if diffusion.direction_contrast > 0:
             captions, has_negative = with_negatives(captions, generator)
+            captions = rows.take(captions[:rows.total]) + rows.take(captions[rows.total:])
+        else:
+            captions = rows.take(captions)
         states, mask = self.captions.get(captions)
         states, mask = states.to(self.device), mask.to(self.device)
 
         def loss(model: nn.Module) -> torch.Tensor:
             velocity = lambda x, t: model(x, t, states, mask)  # noqa: E731
             if diffusion.direction_contrast > 0:
-                value = contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator)
+                value = contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator, rows)
             else:
-                value = flow_loss(velocity, latents, diffusion, generator)
+                value = flow_loss(velocity, latents, diffusion, generator, rows)
             return value if weight == 1.0 else value * weight
 
         return loss
@@ -221,7 +252,15 @@ class OwnModelTask:
         return state
 
     def load_weights(self, weights: dict, source: Path) -> None:
-        self.model.load_state_dict(weights)
+        load_model_weights(self.optimizer, self.model, weights)
 
     def after_save(self) -> None:
         self.captions.save()
+
+
+def load_model_weights(optimizer, model: nn.Module, weights: dict, strict: bool = True) -> None:
+    """`model.load_state_dict(weights)`, through the optimizer where it owns the weights' layout (FSDP2)."""
+    load = getattr(optimizer, "load_model_weights", None)
+    if load is not None:
+        return load(weights, strict=strict)
+    model.load_state_dict(weights, strict=strict)

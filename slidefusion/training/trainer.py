@@ -7,6 +7,10 @@ Every step's randomness (which clips, which captions are dropped, noise, timeste
 generator seeded by (run seed, step), so a run resumed from a checkpoint repeats exactly the loss
 sequence of an uninterrupted one. The optimizer sits behind a small `train_step(loss_fn)` seam, so
 an offload engine with the same methods can replace `ResidentOptimizer` without touching the loop.
+
+Under torchrun every rank runs this loop (`training.distributed`): each computes its rows of the
+step's global batch, the optimizer reduces the gradients, the logged loss is the ranks' mean, and
+rank 0 alone writes (lock, config, metrics, checkpoints), the others waiting on its outcome.
 """
 
 import dataclasses
@@ -35,7 +39,7 @@ from slidefusion.io.checkpoint import (
     save_checkpoint,
 )
 from slidefusion.io.files import write_text
-from slidefusion.training import optimizer_state
+from slidefusion.training import distributed, optimizer_state
 from slidefusion.training.config import OptimConfig, TrainConfig, build
 from slidefusion.training.loggers import RunLog
 from slidefusion.training.run_folder import LOCK_NAME, RunLock, remove_stale_temporaries, truncate_metrics
@@ -101,13 +105,21 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, quiet: bool = False):
         self.config = config = resolve_device(config, quiet)
-        self.quiet = quiet
         validate.output_path(config.run.output_dir, "run.output_dir", folder=True, inside=True)  # before any work
         check_loggers(config)
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
-        self.task = build_task(config, self.device, self.run_dir, quiet)
-        self.total_steps = total_steps(config, self.task, quiet)
+        self.ranks = distributed.start(config)  # one process, or this rank of a torchrun world (checked here)
+        if self.ranks.active and config.validate.enabled:
+            raise UserError("validate.prompts / validate.data run on one process; under torchrun leave them unset "
+                            "and sample the checkpoints with slidefusion generate")
+        if self.ranks.place.dp > 1 and config.offload.enabled and config.run.grad_accum > 1:
+            raise UserError(f"run.grad_accum={config.run.grad_accum} with --offload on {self.ranks.place.dp} data-parallel "
+                            "ranks is not supported yet; raise run.batch_size or the number of ranks instead, or "
+                            "train resident (without --offload)")
+        self.device, self.quiet = self.ranks.device, quiet or not self.ranks.writer
+        self.task = self.ranks.together(build_task, config, self.device, self.run_dir, self.quiet, self.ranks)
+        self.total_steps = total_steps(config, self.task, self.quiet)
         self.model = self.optimizer = self.ema = None
         if not getattr(self.task, "lazy", False):
             self.prepare()
@@ -135,10 +147,10 @@ class Trainer:
             yield
             return
         lock = RunLock(self.run_dir)
-        lock.acquire()
+        self.ranks.agree(lock.acquire)  # rank 0 holds it for every rank
         self._lock = lock
         try:
-            removed = remove_stale_temporaries(self.run_dir)
+            removed = self.ranks.agree(remove_stale_temporaries, self.run_dir)
             if removed:
                 warnings.warn(f"removed what an interrupted save left in {self.run_dir}: {', '.join(removed)}")
             yield
@@ -176,6 +188,10 @@ class Trainer:
 
     def _claim_folder(self) -> None:
         """Refuse to start a new run over an earlier one's checkpoints; keep one metrics record per step."""
+        self.ranks.agree(self._claim_on_disk)
+        self._continues = True
+
+    def _claim_on_disk(self) -> None:
         if not self._continues:
             earlier = checkpoint_steps(self.run_dir)
             if earlier:
@@ -188,7 +204,11 @@ class Trainer:
     # -- starting points ------------------------------------------------------------------------
 
     def resume(self, checkpoint: str | Path) -> Path:
-        """Continue a run exactly where `checkpoint` left it ('latest' = this run's newest)."""
+        """Continue a run exactly where `checkpoint` left it ('latest' = this run's newest), on any
+        number of ranks (every rank reads it)."""
+        return self.ranks.together(self._resume, checkpoint)
+
+    def _resume(self, checkpoint: str | Path) -> Path:
         path = self.run_dir if checkpoint == "latest" else Path(checkpoint)
         try:
             ckpt = load_checkpoint(path, with_state=True)
@@ -211,7 +231,7 @@ class Trainer:
         bad = first_nonfinite(ckpt.model)
         if bad is not None:
             raise UserError(f"--resume {ckpt.path}: weight {bad} holds NaN or infinity; resume from an earlier checkpoint")
-        self._warn_changed(saved, ckpt.path)
+        self._warn_changed(saved, ckpt.path, int(ckpt.state.get("global_batch", saved.run.batch_size)))
         self.prepare()
         self.task.load_weights(ckpt.model, ckpt.path)
         try:
@@ -243,20 +263,28 @@ class Trainer:
             return optimizer_state.torch_to_engine(state, self.model, self.optimizer)
         return optimizer_state.engine_to_torch(state, self.model, self.optimizer.state_dict())
 
-    def _warn_changed(self, saved: TrainConfig, path: Path) -> None:
-        """One warning line if the data a resumed run sees differs from what the checkpoint saw."""
+    def _warn_changed(self, saved: TrainConfig, path: Path, global_batch: int) -> None:
+        """One warning line if the data a resumed run sees differs from what the checkpoint saw (the
+        global batch, data-parallel ranks x run.batch_size, decides which samples a step draws)."""
         changes = [f"data.{k} {v!r} -> {getattr(self.config.data, k)!r}" for k, v in vars(saved.data).items()
                    if getattr(self.config.data, k) != v]
-        for key in ("batch_size", "grad_accum", *(("steps", "epochs") if self.config.optim.schedule != "constant" else ())):
+        for key in ("grad_accum", *(("steps", "epochs") if self.config.optim.schedule != "constant" else ())):
             old, new = getattr(saved.run, key), getattr(self.config.run, key)
             if old != new:
                 changes.append(f"run.{key} {old} -> {new}")
+        if global_batch != self._global_batch():
+            one_process = global_batch == saved.run.batch_size and self.ranks.place.dp == 1
+            changes.append(f"run.batch_size {saved.run.batch_size} -> {self.config.run.batch_size}" if one_process else
+                           f"global batch (data-parallel ranks x run.batch_size) {global_batch} -> {self._global_batch()}")
         if changes:
             warnings.warn(f"--resume {path}: the data changed since it was saved ({', '.join(changes)}); "
                           "the run continues, but not as the uninterrupted run would have")
 
     def init_from(self, checkpoint: str | Path) -> tuple[list[str], list[str]]:
         """Start from pretrained weights: every name+shape match loads, the rest is listed."""
+        return self.ranks.together(self._init_from, checkpoint)
+
+    def _init_from(self, checkpoint: str | Path) -> tuple[list[str], list[str]]:
         ckpt = load_checkpoint(checkpoint)
         bad = first_nonfinite(ckpt.sampling_weights)
         if bad is not None:
@@ -290,27 +318,42 @@ class Trainer:
         if not math.isfinite(loss):
             raise NonFiniteError(f"loss became {loss} at step {self.step + 1} although the weights before it were "
                                  f"finite; {advice}")
-        bad = first_nonfinite(self.optimizer.model_state_dict())
+        bad = self._nonfinite_weight()
         if bad is not None:
             raise NonFiniteError(f"the update of step {self.step + 1} made weight {bad} non-finite although its loss "
                                  f"{loss:.4g} was finite (the gradients or the update overflowed); {advice}")
 
+    def _global_batch(self) -> int:
+        return self.ranks.place.dp * self.config.run.batch_size
+
+    def _nonfinite_weight(self) -> str | None:
+        """The first non-finite weight, asked of the optimizer where its weights are spread over ranks."""
+        check = getattr(self.optimizer, "first_nonfinite", None)
+        return check() if check is not None else first_nonfinite(self.optimizer.model_state_dict())
+
     def save(self) -> Path:
+        """checkpoint-STEP, written by rank 0 (every rank takes part in gathering what it holds)."""
         weights = self._weights()
         bad = first_nonfinite(weights)
         if bad is not None:  # check_finite stops the loop first; this guards direct callers
             raise NonFiniteError(f"weight {bad} holds NaN or infinity at step {self.step}; no checkpoint was written")
-        state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state()}
+        state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state(),
+                 "global_batch": self._global_batch()}
         ema = None if self.ema is None else self.ema.shadow
-        previous = checkpoint_steps(self.run_dir)
-        intact = (f"checkpoint-{max(previous)} is intact and --resume latest continues from it" if previous
-                  else "no checkpoint was written")
-        with diskfull.writing(f"checkpoint-{self.step}", self.run_dir, diskfull.tensor_bytes(weights, ema, state), intact):
-            path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights, ema, state,
-                                   self.config.run.keep_last)
-        with diskfull.writing("the caption cache", self.run_dir, None, f"{path.name} is complete"):
-            self.task.after_save()
-        return path
+
+        def write() -> Path:
+            previous = checkpoint_steps(self.run_dir)
+            intact = (f"checkpoint-{max(previous)} is intact and --resume latest continues from it" if previous
+                      else "no checkpoint was written")
+            with diskfull.writing(f"checkpoint-{self.step}", self.run_dir, diskfull.tensor_bytes(weights, ema, state),
+                                  intact):
+                path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights, ema, state,
+                                       self.config.run.keep_last)
+            with diskfull.writing("the caption cache", self.run_dir, None, f"{path.name} is complete"):
+                self.task.after_save()
+            return path
+
+        return self.ranks.agree(write) or self.run_dir / f"checkpoint-{self.step}"
 
     def train(self, until: int | None = None) -> TrainResult:
         """Run from the current step to `until` (default: the run's length), logging, checkpointing
@@ -324,7 +367,7 @@ class Trainer:
             table = self.task.describe_data() if self.step < until else None
             if table and not self.quiet:
                 print(table)
-            log = RunLog(self.run_dir, self.config)
+            log = RunLog(self.run_dir, self.config) if self.ranks.writer else None  # rank 0 writes
             start, self.validation_s = time.perf_counter(), 0.0
             bar = tqdm(total=until, initial=self.step, desc=run.name, disable=self.quiet, dynamic_ncols=True)
             self.model.train()
@@ -333,6 +376,7 @@ class Trainer:
                     lr = lr_at(self.config.optim, self.step, self.total_steps)
                     self.optimizer.set_lr(lr)
                     loss = self.optimizer.train_step(self.loss_fn(step_generator(run.seed, self.step)))
+                    loss = self.ranks.mean(loss)  # the global batch's loss, the same on every rank
                     self.check_finite(loss, lr)
                     if self.ema is not None:
                         self.ema.update(self._weights(), self.step)
@@ -348,7 +392,8 @@ class Trainer:
                         self._validate(validator, log)
             finally:
                 bar.close()
-                log.close()
+                if log is not None:
+                    log.close()
         result.seconds = time.perf_counter() - start - self.validation_s
         result.validation_seconds = self.validation_s
         return result
@@ -362,7 +407,9 @@ class Trainer:
             samples = f"  {record['samples']} samples in samples/step-{self.step}" if record.get("samples") else ""
             tqdm.write(f"validation at step {self.step}:{samples}{held}  ({record['validation_s']:.1f} s)")
 
-    def _log(self, log: RunLog, loss: float, lr: float, elapsed: float, done: int) -> None:
+    def _log(self, log: RunLog | None, loss: float, lr: float, elapsed: float, done: int) -> None:
+        if log is None:  # not rank 0
+            return
         log.scalars(self.step, {"loss": loss, "lr": lr, "elapsed_s": round(elapsed, 2)})
         if not self.quiet:
             tqdm.write(f"step {self.step}/{self.total_steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
@@ -408,13 +455,15 @@ def _earlier_hint(path: Path) -> str:
     return "; no earlier checkpoint of the run loads either"
 
 
-def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False):
-    """The task of a config: a diffusers folder's transformer (`model.pretrained`) or one of our presets."""
+def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
+    """The task of a config: a diffusers folder's transformer (`model.pretrained`) or one of our presets;
+    `ranks` (`distributed.Distributed`): this rank's part in a multi-rank run."""
+    ranks = ranks if ranks is not None and ranks.active else None
     if config.pretrained:
         from slidefusion.training.finetune.task import FolderTask
 
-        return FolderTask(config, device, run_dir, quiet)
-    return OwnModelTask(config, device, run_dir, quiet)
+        return FolderTask(config, device, run_dir, quiet, ranks)
+    return OwnModelTask(config, device, run_dir, quiet, ranks)
 
 
 def _discard_new_run(run_dir: Path) -> None:

@@ -99,14 +99,18 @@ class GradientShipper:
         self.turn, self.d2h, self.strategy, self.holds = 0, d2h, strategy, policy.holds_gradients
         self.bytes, self.wait_s = 0, 0.0
 
-    def ship(self, group, grads: list, step: int, lr: float) -> None:
-        """Send `group`'s trainable gradients (one per parameter, in layout order) to its update."""
-        if group.n_train == 0:
-            return
+    @staticmethod
+    def check_grads(group, grads: list) -> None:
         for entry, grad in zip(group.layout.entries, grads):
             if grad is None:  # torch.optim skips such a parameter and keeps a per-parameter step count
                 raise UserError(f"parameter {entry.name} got no gradient from loss_fn; set requires_grad=False on "
                                 "parameters the loss does not use before building the engine")
+
+    def ship(self, group, grads: list, step: int, lr: float) -> None:
+        """Send `group`'s trainable gradients (one per parameter, in layout order) to its update."""
+        if group.n_train == 0:
+            return
+        self.check_grads(group, grads)
         if self.holds:
             return self._hand_over(group, grads, step, lr)
         direct = self.buffers[0].numel() == 0

@@ -9,6 +9,9 @@ The pieces, each in its own file, built here in order:
   hooks            each block's forward routed through a checkpointing autograd function
   runner           how one block computes: whole, or tile by tile (`tiling.tile_runner`, policy.tile)
   checkpoints      where block inputs wait for backward: kept, or host memory + disk (policy.spill_dir)
+With `ranks` (data parallelism over torch.distributed, `sharded`): each rank keeps a shard of every
+group's master and moments, gradients are reduce-scattered as backward produces them, and each
+update's result is published to the other ranks (`sharded.DataParallel`).
 Whether a configuration fits is the caller's question, answered before the engine is built
 (`plan.resolve.fitting_policy`, or `plan.footprint.engine_plan` + `require_fit`).
 """
@@ -25,11 +28,13 @@ from slidefusion.core.errors import UserError, check
 from slidefusion.offload.engine.accumulate import GradientAccumulator
 from slidefusion.offload.engine.device import DeviceWeights, GradientShipper
 from slidefusion.core.hooks import refuse_hooks, within
-from slidefusion.offload.engine.hooks import REFUSED, STREAM, block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
+from slidefusion.offload.engine.hooks import STREAM, block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, refused, remove_hooks
 from slidefusion.offload.engine.host_state import HostState
 from slidefusion.offload.engine.layout import REST
 from slidefusion.offload.engine.loading import load_named_tensors, move_buffers
 from slidefusion.offload.engine.pinning import HostAllocator
+from slidefusion.offload.engine.sharded import DataParallel, RankGroups, ShardedShipper
+from slidefusion.offload.engine.sharded_state import first_nonfinite, gather_state, gather_weights, host_bytes, scatter_state
 from slidefusion.offload.engine.stats import EngineStats
 from slidefusion.offload.engine.transfer import InlineWorker, Worker, make_copier
 from slidefusion.offload.optim.strategies import make_strategy
@@ -46,24 +51,33 @@ class OffloadEngine:
     and `stats` (an `EngineStats`) for what it moved and waited for."""
 
     def __init__(self, model: nn.Module, blocks, policy: OffloadPolicy | None = None,
-                 allocator: HostAllocator | None = None):
+                 allocator: HostAllocator | None = None, ranks: RankGroups | None = None):
         policy = OffloadPolicy() if policy is None else policy
         check(isinstance(policy, OffloadPolicy), f"policy={policy!r} must be an OffloadPolicy")
         self.policy = policy = resolve(policy)  # a concrete compute dtype; auto tiles and residency are refused
         self.device, self.model = policy.torch_device, model
         self.blocks = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList)) else blocks
-        refuse_hooks(model, REFUSED)  # before anything is moved: a refused model stays as it was
+        refuse_hooks(model, refused(ranks is not None))  # before anything is moved: a refused model stays as it was
         self.allocator = allocator or HostAllocator.for_device(self.device, policy.pin_budget, policy.pin_chunk)
-        self.state = HostState(model, self.blocks, policy, self.allocator.empty)
+        self.dp = None if ranks is None else DataParallel(ranks, self.device)
+        shards = () if self.dp is None else (self.dp.sharding, self.dp.compute_allocator(model, self.blocks, policy,
+                                                                                          self.allocator))
+        self.state = HostState(model, self.blocks, policy, self.allocator.empty, *shards)
         check(policy.resident_blocks <= len(self.blocks),
               f"resident_blocks={policy.resident_blocks} must be <= the model's {len(self.blocks)} blocks")
         move_buffers(model, self.device)
         self.h2d, self.d2h = (make_copier(f"offload-{way}", self.device, policy.pin_chunk) for way in ("h2d", "d2h"))
-        self.worker = Worker("offload-adamw") if policy.overlapped else InlineWorker()
-        self.strategy = make_strategy(policy, self.state, self.allocator.empty, self.worker, self._update)
+        # under data parallelism the update waits on a collective: on a thread of its own, never the compute's
+        self.worker = Worker("offload-adamw") if policy.overlapped or self.dp else InlineWorker()
+        self.strategy = make_strategy(policy, self.state, self.allocator.empty, self.worker, self._update, self.dp)
         self.accumulator = None  # host gradient sums, for steps of several micro-batches (`accumulate`)
         self.weights = DeviceWeights(self.state, policy, self.h2d, lambda key: self.strategy.updated[key])
-        self.grads = GradientShipper(self.state, policy, self.d2h, self.strategy)
+        self.grads = (GradientShipper(self.state, policy, self.d2h, self.strategy) if self.dp is None else
+                      ShardedShipper(self.state, policy, self.d2h, self.strategy, self.dp.comm, ranks.world))
+        if self.dp is not None:
+            self.dp.start(self.state, lambda key: self.weights.refresh(key, ()))
+            self.weights.upload_all()
+            self.host_bytes = host_bytes(self.state, self.dp.shared_bytes, self.dp.comm)
         self.runner = make_runner(policy, model, self.blocks)  # one block's computation: whole or tiled
         self.checkpoints = make_checkpoints(policy, self.device)  # where block inputs wait for backward
         self.step, self.lr, self.out_spec = 0, policy.optim.lr, None
@@ -166,9 +180,11 @@ class OffloadEngine:
         return input_grads
 
     def _update(self, group, grad: torch.Tensor, step: int, lr: float, scale: float, after: tuple) -> None:
-        """On the optimizer worker: AdamW on one group, then its refresh upload if it is resident."""
+        """On the optimizer worker: AdamW on one group, then its refresh upload if it is resident
+        (under data parallelism the publisher refreshes, once the other shards have arrived)."""
         update_group(group, grad, step, lr, scale, self.policy)
-        self.weights.refresh(group.key, after)
+        if self.dp is None:
+            self.weights.refresh(group.key, after)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -181,18 +197,37 @@ class OffloadEngine:
             handle.synchronize()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The master weights (frozen parameters: their compute copy) and buffers, keyed as `model.state_dict()`."""
+        """The master weights (frozen parameters: their compute copy) and buffers, keyed as `model.state_dict()`.
+        Under data parallelism every rank must call it (the shards are gathered)."""
         self.synchronize()
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        weights = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return weights if self.dp is None else {**weights, **gather_weights(self.state, self.dp.comm)}
+
+    def first_nonfinite(self) -> str | None:
+        """The first weight holding NaN or infinity, or None (every rank must call it under data parallelism)."""
+        self.synchronize()
+        if self.dp is None:
+            return next((k for k, v in self.model_state_dict().items() if v.is_floating_point()
+                         and not torch.isfinite(v).all()), None)
+        return first_nonfinite(self.state, self.dp.comm)
 
     def state_dict(self) -> dict:
-        """Everything needed to resume exactly: master weights, moments, step, lr (copies)."""
+        """Everything needed to resume exactly: master weights, moments, step, lr (copies). Under
+        data parallelism gathered from the shards, in the form one process saves, on rank 0 only
+        (other ranks get step and lr alone); every rank must call it."""
         self.synchronize()
-        return {"step": self.step, "lr": self.lr, **self.state.state_dict()}
+        if self.dp is None:
+            return {"step": self.step, "lr": self.lr, **self.state.state_dict()}
+        return {"step": self.step, "lr": self.lr, **(gather_state(self.state, self.dp.comm) or {})}
 
     def load_state_dict(self, state: dict) -> None:
+        """A state as `state_dict` returns it, whatever the number of ranks that saved it."""
         self.synchronize()
-        self.state.load_state_dict(state)
+        if self.dp is None:
+            self.state.load_state_dict(state)
+        else:
+            scatter_state(self.state, state)
+            self.dp.publisher.publish_all()
         self.weights.upload_all()
         self.step, self.lr = int(state["step"]), float(state["lr"])
 
@@ -201,6 +236,8 @@ class OffloadEngine:
         shards), each written straight into its host buffers; every parameter exactly once."""
         self.synchronize()
         load_named_tensors(self.model, self.state, named_tensors, self.device)
+        if self.dp is not None:
+            self.dp.publisher.publish_all()
         self.weights.upload_all()
 
     def close(self) -> None:
@@ -209,7 +246,7 @@ class OffloadEngine:
         remove_hooks(self)
         self.runner.close()
         self.checkpoints.close()
-        for target in (self.h2d, self.d2h, self.worker):
+        for target in (self.h2d, self.d2h, self.worker, *(() if self.dp is None else (self.dp,))):
             target.close()
 
 
@@ -270,6 +307,11 @@ def _record(engine: OffloadEngine, seconds: float) -> None:
     s.frozen_bytes_per_param = engine.state.frozen_bytes() / max(1, engine.state.frozen_numel())
     s.staging_bytes = engine.strategy.host_bytes() + (engine.accumulator.host_bytes() if engine.accumulator else 0)
     s.pinned_bytes, s.pageable_copy_bytes = engine.allocator.pinned_bytes, engine.allocator.pageable_dma_bytes
+    if engine.dp is not None:
+        s.host_bytes_rank, s.host_bytes_node = engine.host_bytes if hasattr(engine, "host_bytes") else (0, 0)
+        s.comm_bytes, s.exposed_comm_s = engine.dp.comm.bytes, engine.grads.wait_s
+    else:
+        s.host_bytes_rank = s.host_bytes_node = s.host_state_bytes
 
 
 def engine_blocks(model: nn.Module, adapter=None) -> nn.ModuleList:

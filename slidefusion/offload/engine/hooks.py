@@ -16,6 +16,8 @@ Two seams:
       host memory and a spill file. Both also hear when a step begins, turns to backward, and ends.
 """
 
+import contextvars
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -26,6 +28,14 @@ STREAM = "offload"
 # same blocks under them would run each block twice or on another rank's tokens.
 REFUSED = {"tiling": "tile_blocks checkpoints resident blocks; use OffloadPolicy(tile=...) for tiled streaming",
            "parallel": "the parallel plans split inference over ranks; detach them before offloading"}
+
+
+def refused(ranked: bool) -> dict[str, str]:
+    """The hooks a model may not carry when the engine attaches. An engine on several ranks
+    (`ranks=`) trains sequence-parallel with the Ulysses hooks of its sample's ranks on the blocks
+    (`training.dist_optim.sequence_parallel`): it streams the hooked blocks, whose hooks then run as
+    the blocks' own forward, in the forward and in the recompute alike."""
+    return {k: v for k, v in REFUSED.items() if not (ranked and k == "parallel")}
 
 
 class WholeBlock:
@@ -132,6 +142,7 @@ class StreamedBlock(torch.autograd.Function):
         outs, engine.out_spec = tree_flatten(out)
         ctx.engine, ctx.index, ctx.spec, ctx.graph = engine, index, spec, graph
         ctx.autocast = torch.is_autocast_enabled(engine.device.type)
+        ctx.context = contextvars.copy_context()  # the recompute sees what the forward saw (a parallel call's record)
         engine.checkpoints.put(ctx, list(tensors))
         return tuple(o.detach() if torch.is_tensor(o) else o for o in outs)
 
@@ -140,13 +151,13 @@ class StreamedBlock(torch.autograd.Function):
         tensors = ctx.engine.checkpoints.take(ctx)
         engine = ctx.engine
         with torch.autocast(engine.device.type, dtype=engine.policy.compute_dtype, enabled=ctx.autocast):
-            grads = engine.block_backward(ctx.index, tensors, ctx.spec, ctx.graph, grad_outputs)
+            grads = ctx.context.run(engine.block_backward, ctx.index, tensors, ctx.spec, ctx.graph, grad_outputs)
         ctx.graph = None
         return (None, None, None, None, *grads)
 
 
 def install_hooks(engine) -> None:
-    hooks.refuse_hooks(engine.model, REFUSED)
+    hooks.refuse_hooks(engine.model, refused(engine.dp is not None))
     for index, block in enumerate(engine.blocks):
         hooks.add_hook(block, STREAM, BlockHook(engine, index))
 

@@ -18,9 +18,14 @@ from slidefusion.offload.optim.formats import MasterWeights, Moments
 
 
 class GroupState:
-    """The flat host buffers of one group, and the model parameters that view them."""
+    """The flat host buffers of one group, and the model parameters that view them.
 
-    def __init__(self, spec: GroupSpec, policy, allocate):
+    With `sharding` (data parallelism, `offload.engine.sharded`) this process owns the master weights and
+    moments of values [lo, hi) of the trainable prefix only; the compute copy is whole (its other
+    shards arrive from the other ranks after each update), the parameters view it, and
+    `allocate_compute` may place it in memory the node's ranks share."""
+
+    def __init__(self, spec: GroupSpec, policy, allocate, sharding=None, allocate_compute=None):
         self.name, self.key = spec.name, spec.key
         self.layout = layout_of(spec.named)
         self.params = [p for _, p in spec.named]
@@ -28,9 +33,13 @@ class GroupState:
         self.trainable = self.params[:len(spec.trainable)]
         self.n_train = sum(p.numel() for p in self.trainable)
         self.train_ends = [e.offset + e.numel for e in self.layout.entries[:len(self.trainable)]]  # AdamW's tensor tails
-        self.compute = allocate(self.layout.numel, policy.compute_dtype, True)
-        self.master = MasterWeights(policy.master, policy.rounding, self.n_train, self.compute, allocate)
-        self.moments = Moments(policy.moments, self.layout, self.n_train, allocate)
+        self.cuts = sharding.cuts(self.layout, self.n_train, policy.moments) if sharding else [0, self.n_train]
+        self.lo, self.hi = self.cuts[sharding.rank:sharding.rank + 2] if sharding else (0, self.n_train)
+        self.sharded, self.writes_compute = sharding is not None, sharding is None or sharding.writes_compute
+        self.shares_compute = allocate_compute is not None  # the node's ranks map one compute copy
+        self.compute = (allocate_compute or (lambda n, d: allocate(n, d, True)))(self.layout.numel, policy.compute_dtype)
+        self.master = MasterWeights(policy.master, policy.rounding, self.n_own, self.compute[self.lo:], allocate)
+        self.moments = Moments(policy.moments, self.layout, self.n_train, allocate, (self.lo, self.hi))
         if not any(p.is_meta for p in self.params):
             with torch.no_grad():
                 for entry, param in zip(self.layout.entries, self.params):
@@ -41,27 +50,44 @@ class GroupState:
     def numel(self) -> int:
         return self.layout.numel
 
+    @property
+    def n_own(self) -> int:
+        """Trainable values whose master and moments this process holds."""
+        return self.hi - self.lo
+
+    @property
+    def own_ends(self) -> list[int]:
+        """AdamW's tensor ends inside [lo, hi), counted from lo."""
+        return [min(e, self.hi) - self.lo for e in self.train_ends if e > self.lo] if self.n_own else []
+
     def write(self, offset: int, numel: int, value: torch.Tensor) -> None:
-        """Store `value` (any float dtype) at `offset`: master (+ compensation) and compute copy."""
+        """Store `value` (any float dtype) at `offset`: master (+ compensation) and compute copy.
+        Sharded, the master's part in [lo, hi) and its compute copy (the rest arrives from its owners)."""
         value = value.reshape(-1)
         if offset >= self.n_train:
-            self.compute[offset:offset + numel].copy_(value)
+            if self.writes_compute:
+                self.compute[offset:offset + numel].copy_(value)
             return
-        master = self.master.value[offset:offset + numel]
+        start, end = max(offset, self.lo), min(offset + numel, self.hi)
+        if start >= end:
+            return
+        value, at, numel = value[start - offset:end - offset], start - self.lo, end - start
+        master = self.master.value[at:at + numel]
         master.copy_(value)
         if self.master.comp is not None:  # keep what rounding to bf16 dropped
-            self.master.comp[offset:offset + numel].copy_(value.float() - master.float())
+            self.master.comp[at:at + numel].copy_(value.float() - master.float())
         if not self.master.is_compute:
-            self.compute[offset:offset + numel].copy_(self._decoded(offset, numel))
+            self.compute[start:end].copy_(self._decoded(at, numel))
 
-    def _decoded(self, offset: int, numel: int) -> torch.Tensor:
-        """The master's value in fp32 (hi + lo with Kahan compensation)."""
-        value = self.master.value[offset:offset + numel].float()
-        return value if self.master.comp is None else value + self.master.comp[offset:offset + numel].float()
+    def _decoded(self, at: int, numel: int) -> torch.Tensor:
+        """The master's value in fp32 (hi + lo with Kahan compensation), from its element `at`."""
+        value = self.master.value[at:at + numel].float()
+        return value if self.master.comp is None else value + self.master.comp[at:at + numel].float()
 
     def bind_host(self) -> None:
-        """Point the model's parameters at their host views: trainable ones at the master."""
-        trainable = self.layout.views(self.master.value, len(self.trainable))
+        """Point the model's parameters at their host views: trainable ones at the master (sharded:
+        at the whole compute copy, as no process holds the whole master)."""
+        trainable = self.layout.views(self.compute if self.sharded else self.master.value, len(self.trainable))
         frozen = self.layout.views(self.compute)[len(self.trainable):]
         for view, param in zip(trainable + frozen, self.params):
             if param.is_meta:  # `.data =` cannot change a tensor's type; swap it (the object stays)
@@ -84,28 +110,36 @@ class GroupState:
         return self.versions() != self.seen_versions
 
     def refresh_compute(self) -> None:
-        """The compute copy from the master, after a write through the model or a state load."""
+        """The compute copy from the master, after a write through the model or a state load.
+        Sharded, a write through the model went into the compute copy: the master shard takes it."""
         if self.master.comp is not None and self.written_outside():
             self.master.comp.zero_()  # a write through the model set the bf16 value alone
-        if not self.master.is_compute:
-            self.compute[:self.n_train].copy_(self._decoded(0, self.n_train))
+        if self.sharded and self.written_outside():
+            if not self.master.is_compute:
+                self.master.value.copy_(self.compute[self.lo:self.hi])
+        elif not self.master.is_compute:
+            self.compute[self.lo:self.hi].copy_(self._decoded(0, self.n_own))
         self.seen_versions = self.versions()
 
     def state(self) -> dict[str, torch.Tensor]:
         return {**self.master.tensors(), **self.moments.tensors()}
 
+    def compute_bytes(self) -> int:
+        return self.numel * self.compute.element_size()
+
     def host_bytes(self) -> int:
-        return self.numel * self.compute.element_size() + self.master.host_bytes() + self.moments.host_bytes()
+        """This process's own bytes: the compute copy (unless shared) and its master and moments."""
+        return (0 if self.shares_compute else self.compute_bytes()) + self.master.host_bytes() + self.moments.host_bytes()
 
 
 class HostState:
     """Every group of one engine: `blocks[i]` in call order and `rest`."""
 
-    def __init__(self, model, blocks, policy, allocate):
+    def __init__(self, model, blocks, policy, allocate, sharding=None, allocate_compute=None):
         specs, rest = split_groups(model, blocks)
         self.format = {"master": policy.master, "moments": policy.moments, "rounding": policy.rounding}
-        self.blocks = [GroupState(spec, policy, allocate) for spec in specs]
-        self.rest = GroupState(rest, policy, allocate)
+        self.blocks = [GroupState(spec, policy, allocate, sharding, allocate_compute) for spec in specs]
+        self.rest = GroupState(rest, policy, allocate, sharding, allocate_compute)
         self.groups = {REST: self.rest, **{g.key: g for g in self.blocks}}
         self.norm_order = _parameter_order(model, self.groups)
 

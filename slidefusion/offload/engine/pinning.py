@@ -44,8 +44,14 @@ class HostAllocator:
     def empty(self, numel: int, dtype: torch.dtype, dma: bool) -> torch.Tensor:
         if not dma or self.pinner is None:
             return torch.empty(numel, dtype=dtype)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        tensor = _page_aligned(numel, dtype)
+        return self.adopt(_page_aligned(numel, dtype))
+
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Page-lock `tensor` (page-aligned host memory allocated elsewhere, e.g. shared between
+        processes) as a copy buffer, within the budget; returns it."""
+        if self.pinner is None:
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
         if self.failed or nbytes == 0:
             reason = None
         elif self.budget is not None and self.pinned_bytes + nbytes > self.budget:

@@ -20,6 +20,10 @@ class EngineStats:
     staging_bytes: int = 0  # host gradient staging
     pinned_bytes: int = 0  # page-locked host bytes
     pageable_copy_bytes: int = 0  # copy buffers that could not be page-locked
+    host_bytes_rank: int = 0  # host state this process holds (data parallel: its shards, not a shared copy)
+    host_bytes_node: int = 0  # host state of the node's ranks together (one shared compute copy counted once)
+    comm_bytes: int = 0  # bytes this rank sent in data-parallel collectives
+    exposed_comm_s: float = 0.0  # seconds the compute waited for them (gradient buffers still in flight)
 
     def as_dict(self) -> dict:
         return asdict(self)

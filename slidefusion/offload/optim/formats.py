@@ -45,13 +45,17 @@ class MasterWeights:
 class Moments:
     """AdamW's first and second moments over a group's trainable prefix."""
 
-    def __init__(self, kind: str, layout: Layout, n: int, allocate):
+    def __init__(self, kind: str, layout: Layout, n: int, allocate, span: tuple[int, int] | None = None):
+        """Over the first `n` values of `layout`, or (`span`, a data-parallel shard cut at block
+        starts) over values [lo, hi) of them, with block starts counted from lo."""
         self.kind = kind
+        lo, hi = span or (0, n)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[kind]
-        self.exp_avg, self.exp_avg_sq = allocate(n, dtype, False).zero_(), allocate(n, dtype, False).zero_()
+        self.exp_avg, self.exp_avg_sq = allocate(hi - lo, dtype, False).zero_(), allocate(hi - lo, dtype, False).zero_()
         self.starts = self.scales = None
         if kind == "int8":
-            self.starts = block_starts(layout, n)
+            starts = block_starts(layout, n)
+            self.starts = torch.cat([starts[(starts >= lo) & (starts < hi)], torch.tensor([hi])]) - lo
             blocks = self.starts.numel() - 1
             self.scales = allocate(2 * blocks, torch.float32, False).zero_()  # absmax of m, then of v
 

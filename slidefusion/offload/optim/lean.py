@@ -39,6 +39,17 @@ class LeanBuffers:
     starts: torch.Tensor | None  # int64 block starts and the end (8-bit moments)
     grad: torch.Tensor  # fp32, bf16 or fp16
     out: torch.Tensor | None  # the compute copy, when it is not the master
+    base: int = 0  # the buffers start at this element of their group (a data-parallel shard): the random
+    # streams hash (seed, base + index), so a shard rounds each element as the whole group would
+
+    def block_starts(self) -> torch.Tensor | None:
+        """The blocks' starts and end as element indices of the group (None: fixed blocks from 0).
+        A shard always has explicit starts: its blocks begin at `base`, not at a multiple of QBLOCK."""
+        if self.starts is not None:
+            return self.starts + self.base
+        if self.base == 0:
+            return None
+        return torch.tensor([*range(self.base, self.base + self.numel, QBLOCK), self.base + self.numel], dtype=torch.int64)
 
     @property
     def numel(self) -> int:
@@ -88,10 +99,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def round_bf16_stochastic(x: torch.Tensor, seed: int, high: bool = False) -> torch.Tensor:
-    """fp32 -> bf16, adding 16 bits of hash(seed, index) (the low half, or the high half when
+def round_bf16_stochastic(x: torch.Tensor, seed: int, high: bool = False, base: int = 0) -> torch.Tensor:
+    """fp32 -> bf16, adding 16 bits of hash(seed, base + index) (the low half, or the high half when
     `high`) to the bit pattern, then truncating."""
-    index = torch.arange(x.numel(), dtype=torch.int64)
+    index = torch.arange(base, base + x.numel(), dtype=torch.int64)
     h = _mix32((index & MASK32) ^ seed)
     noise = h >> 16 if high else h & 0xFFFF
     out = (((x.reshape(-1).view(torch.int32).to(torch.int64) & MASK32) + noise) >> 16) & 0xFFFF
@@ -152,7 +163,7 @@ def lean_adamw_reference_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale:
                           stream_seeds: tuple[int, int] = (0, 0)) -> None:
     """One AdamW step on lean buffers, one torch operation per line of the C kernel's arithmetic."""
     c, n = _scalars(step, lr, cfg, grad_scale), b.numel
-    block = _block_of(b.starts, n) if b.starts is not None else None
+    block = _block_of(b.starts, n) if b.starts is not None else None  # relative to the buffers
     g = b.grad.float() * c["scale"]
     p = b.master.float() if b.comp is None else b.master.float() + b.comp.float()
     if b.moments_kind == 2:
@@ -168,8 +179,8 @@ def lean_adamw_reference_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale:
         (codes_m, amax_m), (codes_v, amax_v) = quantize(m, block, b.m_scale.numel(), True), quantize(v, block, b.v_scale.numel(), False)
         b.exp_avg.copy_(codes_m), b.exp_avg_sq.copy_(codes_v), b.m_scale.copy_(amax_m), b.v_scale.copy_(amax_v)
     elif b.moments_kind == 1:
-        b.exp_avg.copy_(round_bf16_stochastic(m, stream_seeds[1]))
-        b.exp_avg_sq.copy_(round_bf16_stochastic(v, stream_seeds[1], high=True))
+        b.exp_avg.copy_(round_bf16_stochastic(m, stream_seeds[1], base=b.base))
+        b.exp_avg_sq.copy_(round_bf16_stochastic(v, stream_seeds[1], high=True, base=b.base))
     else:
         b.exp_avg.copy_(m), b.exp_avg_sq.copy_(v)
 
@@ -179,7 +190,7 @@ def _store_master(b: LeanBuffers, p: torch.Tensor, seed: int) -> None:
         b.master.copy_(p)
         stored = p
     elif b.master_kind == 1:
-        b.master.copy_(round_bf16_stochastic(p, seed))
+        b.master.copy_(round_bf16_stochastic(p, seed, base=b.base))
         stored = b.master.float()
     else:
         b.master.copy_(p.to(torch.bfloat16))
@@ -199,15 +210,17 @@ class _Args(ctypes.Structure):
         (name, ctypes.c_uint32) for name in ("seed_p", "seed_m")]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor | None, base: int = 0) -> int | None:
+    """`t`'s address, moved back by `base` elements: the kernel adds each block's start (an index
+    of the group) to it, which for a shard lands inside the shard's own buffer."""
+    return None if t is None else t.data_ptr() - base * t.element_size()
 
 
-def _args(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float, stream_seeds) -> _Args:
-    c = _scalars(step, lr, cfg, grad_scale)
-    return _Args(_ptr(b.master), _ptr(b.comp), _ptr(b.exp_avg), _ptr(b.exp_avg_sq), _ptr(b.m_scale), _ptr(b.v_scale),
-                 _ptr(b.starts), _ptr(b.grad), _ptr(b.out), b.master_kind, b.moments_kind, KINDS[b.grad.dtype],
-                 KINDS[b.out.dtype] if b.out is not None else 0, b.numel, *c.values(), *stream_seeds)
+def _args(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float, stream_seeds, starts) -> _Args:
+    c, at = _scalars(step, lr, cfg, grad_scale), b.base
+    return _Args(_ptr(b.master, at), _ptr(b.comp, at), _ptr(b.exp_avg, at), _ptr(b.exp_avg_sq, at), _ptr(b.m_scale),
+                 _ptr(b.v_scale), _ptr(starts), _ptr(b.grad, at), _ptr(b.out, at), b.master_kind, b.moments_kind,
+                 KINDS[b.grad.dtype], KINDS[b.out.dtype] if b.out is not None else 0, b.numel, *c.values(), *stream_seeds)
 
 
 def prepared_kernel(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1.0,
@@ -218,9 +231,10 @@ def prepared_kernel(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float
     lib = kernels.load()
     if lib is None:
         return None
-    args = _args(b, step, lr, cfg, grad_scale, stream_seeds)
-    blocks = b.starts.numel() - 1 if b.starts is not None else -(-b.numel // QBLOCK)
-    return lambda: lib.lean_update(ctypes.addressof(args), 0, blocks) and (args, b)  # keeps both alive
+    starts = b.block_starts()
+    args = _args(b, step, lr, cfg, grad_scale, stream_seeds, starts)
+    blocks = starts.numel() - 1 if starts is not None else -(-b.numel // QBLOCK)
+    return lambda: lib.lean_update(ctypes.addressof(args), 0, blocks) and (args, b, starts)  # keeps them alive
 
 
 def lean_adamw_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1.0,
@@ -230,8 +244,9 @@ def lean_adamw_(b: LeanBuffers, step: int, lr: float, cfg, grad_scale: float = 1
     lib = kernels.load()
     if lib is None:
         return lean_adamw_reference_(b, step, lr, cfg, grad_scale, stream_seeds)
-    args = _args(b, step, lr, cfg, grad_scale, stream_seeds)
-    blocks = b.starts.numel() - 1 if b.starts is not None else -(-b.numel // QBLOCK)
+    starts = b.block_starts()  # kept alive until the kernel returns
+    args = _args(b, step, lr, cfg, grad_scale, stream_seeds, starts)
+    blocks = starts.numel() - 1 if starts is not None else -(-b.numel // QBLOCK)
     edges = block_edges(blocks, threads)
     if len(edges) == 2:
         return lib.lean_update(ctypes.addressof(args), 0, blocks)

@@ -74,11 +74,13 @@ class FolderData:
     """The clips of a fine-tune (`dataset`: a `ClipSet`, or the procedural shapes), their buckets
     and the batches of every step. Prints the skip table (real files) unless `quiet`."""
 
-    def __init__(self, config, rules: Rules | None, quiet: bool):
+    def __init__(self, config, rules: Rules | None, quiet: bool, batch_size: int | None = None):
+        """`batch_size`: the samples of one micro-batch over all data-parallel ranks (default
+        run.batch_size, one process)."""
         from slidefusion.training.task import dataset_of
 
         data, run = config.data, config.run
-        self.batch_size, self.accum = run.batch_size, run.grad_accum
+        self.batch_size, self.accum = batch_size or run.batch_size, run.grad_accum
         if data.kind == "folder":
             self.dataset, reports = scan(data.sources(), rules, data.strict)
             skipped = sum(len(v) for r in reports for v in r.skipped.values())
@@ -92,7 +94,9 @@ class FolderData:
                 print(data.ignored_buckets())
             self.dataset = dataset_of(data)
             buckets, repeats = [Bucket(data.frames, data.height, data.width)] * len(self.dataset), [1] * len(self.dataset)
-        self.batches = BucketBatches(buckets, repeats, run.batch_size * run.grad_accum, run.seed)
+        # every micro-batch full (a bucket's last batch completed from its start), so each data-parallel rank
+        # has its rows and N ranks train exactly what one process does with N times the batch
+        self.batches = BucketBatches(buckets, repeats, self.batch_size * run.grad_accum, run.seed, self.batch_size)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -26,6 +26,7 @@ from torch import Tensor
 from slidefusion.families import ModelAdapter, TextConditioning
 from slidefusion.diffusion.flow import FlowConfig, sample_timesteps
 from slidefusion.core.errors import check
+from slidefusion.diffusion.rows import Rows, local_rows
 
 
 class FolderObjective:
@@ -90,12 +91,13 @@ class FolderObjective:
         return t, noise
 
     # ------------------------------------------------------------------ the loss
-    def loss(self, model, x0: Tensor, text: TextConditioning, generator: torch.Generator) -> Tensor:
+    def loss(self, model, x0: Tensor, text: TextConditioning, generator: torch.Generator, rows: Rows | None = None) -> Tensor:
         """The mean loss of one batch of clean latents x0 (B, C, T, H, W); noise and timesteps from
-        `generator` (on the CPU, so a step's randomness depends on the seed alone)."""
-        tokens = self.adapter.tokens(model, x0.shape)
-        t = self.sample_t(x0.shape[0], tokens, generator)
-        noise = torch.randn(x0.shape, generator=generator)
+        `generator` (on the CPU, so a step's randomness depends on the seed alone); `rows`: x0 holds
+        these rows of a larger batch, whose timesteps and noise are drawn whole and cut."""
+        tokens, rows = self.adapter.tokens(model, x0.shape), local_rows(rows, x0.shape[0])
+        t = rows.take(self.sample_t(rows.total, tokens, generator))
+        noise = rows.take(torch.randn((rows.total, *x0.shape[1:]), generator=generator))
         return self.loss_at(model, x0, text, t, noise)
 
     def loss_at(self, model, x0: Tensor, text: TextConditioning, t: Tensor, noise: Tensor) -> Tensor:

@@ -40,7 +40,8 @@ from slidefusion.swap import is_offset_weight, slide_offset_weights, use_slide_a
 from slidefusion.training.finetune.batches import ClipSizes, FolderData, micro_batch_loss
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, offload_policy
+from slidefusion.diffusion.rows import local_rows
+from slidefusion.training.task import ResidentOptimizer, load_model_weights, offload_policy
 from slidefusion.training.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,14 @@ class FolderTask:
     trainer reads then: `model`, `optimizer`."""
 
     lazy = True
+    rows = None  # this rank's share of each step's batch (a data-parallel trainer sets it)
 
-    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
+    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
         from slidefusion.pretrained.source import open_source
+        from slidefusion.training.dist_optim import check_sequence_parallel
 
         self.config, self.device, cfg = config, device, config.model
+        self.ranks, self.rows = ranks, None if ranks is None else ranks.rows(config.run.batch_size)
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
         sizes = ClipSizes(config.data)  # the buckets, checked against the folder's VAE and patch
@@ -79,6 +83,7 @@ class FolderTask:
         self.folder, self.adapter, self.latent, self.grid = source.folder, source.adapter, source.latent, source.grid
         self.vae_config, meta, self.slide = source.vae_config, source.meta, cfg.slide
         self._adapt(meta)
+        check_sequence_parallel(meta, config.parallel.sp)  # parallel.sp beyond the heads fails before any cache
         if not quiet:
             self._say_window()
         self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
@@ -87,7 +92,7 @@ class FolderTask:
             validate.output_path(config.data.cache_dir, "data.cache_dir", folder=True, inside=True)
         self.model, self.optimizer, self.cache = meta, None, None
         self.validator = Validator(config, self, quiet) if config.validate.enabled else None  # its checks, before the scan
-        self.data = FolderData(config, self.rules, quiet)  # every file probed, the skip table printed
+        self.data = FolderData(config, self.rules, quiet, local_rows(self.rows, config.run.batch_size).total)  # every file probed, the skip table printed
         self.dataset, self.steps_per_epoch = self.data.dataset, self.data.steps_per_epoch
         self.captions = [self.data.caption(i) for i in range(len(self.dataset))]
         if self.validator is not None:
@@ -111,7 +116,14 @@ class FolderTask:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
         if self.optimizer is not None:
             return
-        self.prepare_cache()
+        if self.ranks is not None and self.ranks.active:  # rank 0 fills the caches; the others then read them
+            self.ranks.agree(self.prepare_cache)
+            if not self.ranks.writer:
+                quiet, self.quiet = self.quiet, True
+                self.prepare_cache()
+                self.quiet = quiet
+        else:
+            self.prepare_cache()
         self.optimizer = self._offloaded() if self.config.offload.enabled else self._resident()
 
     # ---------------------------------------------------------------- caches
@@ -154,7 +166,10 @@ class FolderTask:
         model = load_transformer(self.folder, self.config.model.expert, torch.float32)
         self._adapt(model, weights=True)
         self.model = model.to(self.device).train()
-        return ResidentOptimizer(self.model, self.config.optim)
+        if self.ranks is None:
+            return ResidentOptimizer(self.model, self.config.optim)
+        self.ranks.sequence_parallel(self.model)
+        return self.ranks.resident_optimizer(self.model)
 
     def _adapt(self, model: nn.Module, weights: bool = False) -> None:
         """Slide attention, then LoRA, on `model` (meta or real); with `weights`, their initial values."""
@@ -188,7 +203,10 @@ class FolderTask:
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        engine = OffloadEngine(model, self.blocks, self.policy)
+        if self.ranks is not None:
+            self.ranks.sequence_parallel(model)  # before the engine's hooks
+        engine = OffloadEngine(model, self.blocks, self.policy,
+                               ranks=None if self.ranks is None else self.ranks.engine_groups())
         names = lora_lib.folder_names(model)
         skipped = []
 
@@ -208,11 +226,12 @@ class FolderTask:
     # ---------------------------------------------------------------- the trainer's seam
     def loss_fn(self, generator: torch.Generator, step: int):
         """Step `step`'s loss as a function of the model (one micro-batch), or a list of them, each
-        scaled by its share of the step's clips (`run.grad_accum`); see `batches` for the draws.
+        scaled by its share of the step's clips (`run.grad_accum`); under data parallelism this rank's
+        `rows` of each micro-batch; see `batches` for the draws.
         `generator` is the trainer's step stream, unused: every sample has its own."""
-        parts = self.data.micro_batches(step)
-        total = sum(len(p) for p in parts)
-        fns = [micro_batch_loss(self, part, step, len(part) / total) for part in parts]
+        parts, rows = self.data.micro_batches(step), local_rows(self.rows, self.config.run.batch_size)
+        total = sum(len(p) for p in parts)  # under data parallelism each part holds every rank's rows
+        fns = [micro_batch_loss(self, rows.take(part), step, len(part) / total) for part in parts]
         return fns[0] if len(fns) == 1 else fns
 
     def describe_data(self) -> str:
@@ -227,14 +246,14 @@ class FolderTask:
 
     def load_weights(self, weights: dict, source: Path) -> None:
         if not self.config.lora.enabled:
-            self.model.load_state_dict(weights)
+            load_model_weights(self.optimizer, self.model, weights)
             return
         expected = set(self.weights(self.model.state_dict()))
         if set(weights) != expected:
             odd = sorted(set(weights) ^ expected)
             raise UserError(f"--resume {source}: its LoRA weights do not fit this run's adapters (e.g. {odd[0]}); "
                             "was it trained with other lora.rank or lora.target_modules?")
-        self.model.load_state_dict(weights, strict=False)
+        load_model_weights(self.optimizer, self.model, weights, strict=False)
 
     def after_save(self) -> None:
         pass

@@ -85,9 +85,10 @@ def _cast(weights: dict, folder, expert: str, dtype: torch.dtype | None) -> dict
     return {k: v.to(stored[k] if dtype is None else target_dtype(k, dtype, stored[k], keep)) for k, v in weights.items()}
 
 
-def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.dtype | None = None,
-                     force: bool = False, max_shard_size: int = DEFAULT_SHARD) -> tuple[Path, str]:
-    """Write the diffusers form of a fine-tune's checkpoint; returns (folder, what it is)."""
+def open_fine_tune(source: str | Path, destination: str | Path, force: bool, fmt: str):
+    """The checked pieces every export of a diffusers fine-tune starts from: (checkpoint, its
+    TrainConfig, the source folder, its sampling weights, the checked destination); UserError for a
+    checkpoint of our own models, of slide attention, or holding NaN."""
     from slidefusion.pretrained import open_folder
     from slidefusion.training.config import TrainConfig, build
 
@@ -98,16 +99,23 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
     except UserError as error:
         raise UserError(f"checkpoint {ckpt.path}: config.json: {error}") from None
     if not config.pretrained:
-        raise UserError(f"--format diffusers needs a checkpoint of a diffusers fine-tune (model.pretrained=DIR); "
+        raise UserError(f"--format {fmt} needs a checkpoint of a diffusers fine-tune (model.pretrained=DIR); "
                         f"{ckpt.path} trained our own {config.model.arch}: use --format slidefusion")
     check(config.model.attention == "dense",
-          f"--format diffusers cannot hold slide attention: {ckpt.path} trained model.attention={config.model.attention} "
-          "and diffusers' stock classes have no place for its offset networks (the folder would run dense attention); "
+          f"--format {fmt} cannot hold slide attention: {ckpt.path} trained model.attention={config.model.attention} "
+          "and the stock model classes have no place for its offset networks (they would run dense attention); "
           f"sample it with `slidefusion generate --checkpoint {ckpt.path}`")
     folder = open_folder(config.model.pretrained)
     weights = ckpt.sampling_weights
     bad = first_nonfinite(weights)
     check(bad is None, f"weight {bad} of {ckpt.path} holds NaN or infinity; export an earlier checkpoint")
+    return ckpt, config, folder, weights, destination
+
+
+def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.dtype | None = None,
+                     force: bool = False, max_shard_size: int = DEFAULT_SHARD) -> tuple[Path, str]:
+    """Write the diffusers form of a fine-tune's checkpoint; returns (folder, what it is)."""
+    ckpt, config, folder, weights, destination = open_fine_tune(source, destination, force, "diffusers")
     if config.lora.enabled:
         return _export_lora(folder, config, weights, destination), "LoRA weights (pipe.load_lora_weights(OUT))"
     expert = config.model.expert

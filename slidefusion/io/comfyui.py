@@ -1,0 +1,99 @@
+"""`slidefusion export --format comfyui`: a fine-tune of a Wan folder in the layout ComfyUI loads.
+
+A LoRA becomes one file for ComfyUI's LoRA loaders (models/loras). Each adapted module appears under
+its original Wan name with the "diffusion_model." prefix ComfyUI gives the model's own weights:
+"<module>.lora_A.weight" (rank, in), "<module>.lora_B.weight" (out, rank) and "<module>.alpha" (a
+0-d tensor). ComfyUI scales a module by alpha / rank (rank = lora_A's rows), which is the run's
+lora.alpha / lora.rank, peft's own scaling. diffusers' `load_lora_weights` reads the same file (it
+converts this layout itself); outside the blocks its reader ignores ".alpha", so there alpha / rank
+is folded into lora_B and no alpha is written: ComfyUI then uses scale 1, the same strength.
+
+A full fine-tune becomes one original-layout transformer file (models/diffusion_models), bf16 by
+default, as Wan's own releases are laid out: ComfyUI loads it as one of those, and diffusers with
+`WanTransformer3DModel.from_single_file(FILE, config=<the source folder's transformer/>)`.
+
+File names, in OUT/: "<run name>.safetensors" (LoRA) or "<run name>_<bf16|fp16|fp32>.safetensors"
+(full), with "_high_noise" / "_low_noise" after the run name for a Wan 2.2 A14B expert
+(transformer / transformer_2), the names ComfyUI's Wan 2.2 workflows load the pair by.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from slidefusion.errors import check
+from slidefusion.io import wan_layout
+
+LAYOUTS = {wan_layout.FAMILY: wan_layout}  # family -> the module that names its original layout
+DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_LORA = re.compile(r"^(.+)\.(lora_[AB])\.weight$")
+
+
+def layout_for(adapter, what: str = "--format comfyui"):
+    """The original-layout module of `adapter`'s family, or a UserError naming the supported ones."""
+    check(adapter.family in LAYOUTS, f"{what} has no layout for {adapter.class_name} ({adapter.family}); "
+                                     f"supported: {', '.join(sorted(LAYOUTS))}; use --format diffusers instead")
+    return LAYOUTS[adapter.family]
+
+
+def comfyui_lora_state(adapters: dict[str, Tensor], alpha: float, layout=wan_layout) -> dict[str, Tensor]:
+    """diffusers-layout LoRA weights ("blocks.0.attn1.to_q.lora_A.weight", peft's scaling alpha / rank)
+    -> ComfyUI's ("diffusion_model.blocks.0.self_attn.q.lora_A.weight" + ".alpha"), same strength."""
+    modules: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in adapters.items():
+        match = _LORA.match(name)
+        check(match is not None, f"LoRA weight {name} is not a lora_A / lora_B weight")
+        modules.setdefault(match.group(1), {})[match.group(2)] = tensor
+    out = {}
+    for module, pair in sorted(modules.items()):
+        check(set(pair) == {"lora_A", "lora_B"}, f"LoRA module {module} lacks its lora_A or lora_B weight")
+        original = layout.original_name(module)
+        check(original is not None, f"LoRA module {module} has no name in the original {layout.FAMILY} layout")
+        key, rank = layout.LORA_PREFIX + original, pair["lora_A"].shape[0]
+        down, up = pair["lora_A"], pair["lora_B"]
+        if layout.alpha_is_read(original):
+            out[f"{key}.alpha"] = torch.tensor(float(alpha))
+        else:
+            up = up * (alpha / rank)
+        out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = down, up
+    return out
+
+
+def file_name(run_name: str, folder, expert: str, dtype: torch.dtype | None) -> str:
+    """See the module docstring: run name, the A14B expert's noise level, the full file's dtype."""
+    experts = [e.name for e in folder.experts()]
+    noise = "" if len(experts) == 1 else ("_high_noise" if expert == experts[0] else "_low_noise")
+    return f"{run_name}{noise}{'' if dtype is None else '_' + DTYPE_TAGS[dtype]}.safetensors"
+
+
+def export_comfyui(source: str | Path, destination: str | Path, dtype: torch.dtype | None = None,
+                   force: bool = False) -> tuple[Path, str]:
+    """Write the ComfyUI form of a Wan fine-tune's checkpoint into the folder `destination`;
+    returns (the file written, what it is). `dtype`: default float32 for a LoRA, bfloat16 for a
+    full fine-tune."""
+    from slidefusion.training.checkpoint import atomic_folder, contiguous_state
+    from slidefusion.training.finetune import lora as lora_lib
+    from slidefusion.training.finetune.export import open_fine_tune
+
+    ckpt, config, folder, weights, destination = open_fine_tune(source, destination, force, "comfyui")
+    expert = config.model.expert
+    layout = layout_for(folder.adapter(expert))
+    if config.lora.enabled:
+        adapters = {k: v.float() for k, v in lora_lib.diffusers_lora_state(weights).items()}
+        state = {k: v.to(dtype or torch.float32) for k, v in comfyui_lora_state(adapters, config.lora.scale_alpha,
+                                                                                layout).items()}
+        name, what = file_name(config.run.name, folder, expert, None), "a ComfyUI LoRA (models/loras)"
+    else:
+        dtype = dtype or torch.bfloat16
+        names = layout.to_original(weights)
+        state = {names[k]: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        name = file_name(config.run.name, folder, expert, dtype)
+        what = f"a ComfyUI {layout.FAMILY} transformer (models/diffusion_models)"
+    with atomic_folder(destination) as tmp:
+        save_file(contiguous_state(state), tmp / name, metadata={"format": "pt"})
+    return destination / name, what

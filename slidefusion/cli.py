@@ -54,7 +54,7 @@ def _pipeline(args, checkpoint):
     if getattr(args, "pretrained", None):
         if checkpoint not in (_REQUIRED, None) or getattr(args, "init", "checkpoint") == "random" or args.model:
             raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
-        return FolderPipeline.from_pretrained(args.pretrained, device=args.device)
+        return FolderPipeline.from_pretrained(args.pretrained, device=args.device, transformer=args.transformer)
     if getattr(args, "init", "checkpoint") == "random":
         if not args.model:
             raise UserError("--init random needs --model PRESET (e.g. stdit-tiny)")
@@ -80,7 +80,7 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
     if getattr(args, "pretrained", None):  # sizes against the folder's VAE and patch, before loading weights
         from slidefusion.pretrained import check_generation, open_folder
 
-        folder = open_folder(args.pretrained)
+        folder = open_folder(args.pretrained, args.transformer, what="--transformer")
         if None not in (args.frames, args.height, args.width):
             check_generation(folder, args.frames, args.height, args.width)
     pipe = _pipeline(args, checkpoint)
@@ -98,6 +98,8 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
 def cmd_generate(args) -> None:
     from slidefusion.parallel.cli import generate_parallel, generate_pretrained_parallel, reject_parallel_options
 
+    if args.transformer and not args.pretrained:
+        raise UserError("--transformer FILE replaces the weights of a --pretrained DIR's transformer; add --pretrained DIR")
     if args.pretrained:
         missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
         if missing:
@@ -185,6 +187,9 @@ def parser() -> ArgumentParser:
     generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
                           help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
                                "sampled with its own scheduler")
+    generate.add_argument("--transformer", metavar="FILE", type=types.existing_file,
+                          help="with --pretrained: the transformer's weights from one .safetensors file (Wan's "
+                               "original layout, as the Wan repository and ComfyUI ship it, or diffusers')")
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")

@@ -28,17 +28,10 @@ from torch import Tensor
 
 from slidefusion.errors import check
 from slidefusion.io import wan_layout
+from slidefusion.io.layouts import layout_for
 
-LAYOUTS = {wan_layout.FAMILY: wan_layout}  # family -> the module that names its original layout
 DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _LORA = re.compile(r"^(.+)\.(lora_[AB])\.weight$")
-
-
-def layout_for(adapter, what: str = "--format comfyui"):
-    """The original-layout module of `adapter`'s family, or a UserError naming the supported ones."""
-    check(adapter.family in LAYOUTS, f"{what} has no layout for {adapter.class_name} ({adapter.family}); "
-                                     f"supported: {', '.join(sorted(LAYOUTS))}; use --format diffusers instead")
-    return LAYOUTS[adapter.family]
 
 
 def comfyui_lora_state(adapters: dict[str, Tensor], alpha: float, layout=wan_layout) -> dict[str, Tensor]:
@@ -82,7 +75,7 @@ def export_comfyui(source: str | Path, destination: str | Path, dtype: torch.dty
 
     ckpt, config, folder, weights, destination = open_fine_tune(source, destination, force, "comfyui")
     expert = config.model.expert
-    layout = layout_for(folder.adapter(expert))
+    layout = layout_for(folder.adapter(expert), "--format comfyui")
     if config.lora.enabled:
         adapters = {k: v.float() for k, v in lora_lib.diffusers_lora_state(weights).items()}
         state = {k: v.to(dtype or torch.float32) for k, v in comfyui_lora_state(adapters, config.lora.scale_alpha,

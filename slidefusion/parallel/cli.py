@@ -111,17 +111,19 @@ def _generate_pretrained(args) -> None:
     from slidefusion.parallel.launch import init_distributed, launcher_world
     from slidefusion.parallel.pretrained import PretrainedParts, Request, check_request, pretrained_video
     from slidefusion.parallel.trace import Tracer
+    from slidefusion.pretrained import open_folder
 
     start = time.perf_counter()
     timeout = 300.0 if args.timeout is None else args.timeout
     config = ParallelConfig(args.parallel, parse_slices(args.slices), args.cfg_parallel, timeout)
     sizes = {k: getattr(args, k) for k in ("frames", "height", "width") if getattr(args, k, None) is not None}
     request = Request(args.prompt, steps=args.steps, guidance=args.guidance, seed=args.seed, **sizes)
-    check_request(args.pretrained, request, config, launcher_world(), args.out)
+    folder = open_folder(args.pretrained, args.transformer, what="--transformer")
+    check_request(folder, request, config, launcher_world(), args.out)
     init_distributed(config.timeout_s)
     rank = dist.get_rank()
     tracer = Tracer(rank=rank, enabled=True)
-    parts = PretrainedParts.load(args.pretrained)
+    parts = PretrainedParts.load(folder)
     latents, video = pretrained_video(parts, request, config, tracer)
     _finish(args, tracer, start, latents, lambda: video, parts.adapter.fps)
 

@@ -39,21 +39,23 @@ class FolderPipeline(DiffusersCall):
     device: torch.device
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FolderPipeline:
-        from slidefusion.pretrained import PretrainedParts
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        transformer: str | Path | None = None) -> FolderPipeline:
+        """The folder's components; `transformer`: a single-file transformer replacing its own weights."""
+        from slidefusion.pretrained import PretrainedParts, open_folder
 
-        return cls(PretrainedParts.load(path, dtype), torch.device("cpu")).to(device)
+        return cls(PretrainedParts.load(open_folder(path, transformer), dtype), torch.device("cpu")).to(device)
 
     @classmethod
     def from_checkpoint(cls, ckpt, config, device: str = "cpu") -> FolderPipeline:
         """The source folder of a fine-tune with the checkpoint's (EMA) weights in its transformer:
         every weight of a full fine-tune, or LoRA's adapters added to the base; a run with
         model.attention=slide samples with the slide attention (and offsets) it trained."""
-        from slidefusion.pretrained import PretrainedParts
+        from slidefusion.pretrained import PretrainedParts, open_folder
         from slidefusion.training.checkpoint import first_nonfinite
         from slidefusion.training.finetune import lora
 
-        parts = PretrainedParts.load(config.model.pretrained)
+        parts = PretrainedParts.load(open_folder(config.model.pretrained, config.model.transformer, config.model.expert))
         names = [e.name for e in parts.folder.experts()]
         model = parts.experts[names.index(config.model.expert)][0]
         weights = ckpt.sampling_weights

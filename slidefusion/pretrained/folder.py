@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slidefusion.adapters import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class
@@ -43,10 +43,13 @@ class Expert:
 
 @dataclass(frozen=True)
 class PretrainedFolder:
-    """A checked local diffusers folder; `index` is model_index.json (None for a bare transformer)."""
+    """A checked local diffusers folder; `index` is model_index.json (None for a bare transformer).
+    `transformer_files`: transformer name -> a single-file transformer whose weights replace that
+    transformer's own (its config.json still defines the model; see `slidefusion.io.single_file`)."""
 
     root: Path
     index: Mapping | None
+    transformer_files: Mapping[str, Path] = field(default_factory=dict)
 
     @property
     def is_pipeline(self) -> bool:
@@ -119,12 +122,45 @@ class PretrainedFolder:
         return read_json(self.component_dir("scheduler") / "scheduler_config.json", "scheduler config")
 
     def weight_entries(self, name: str = "transformer") -> list[TensorEntry]:
-        """Every tensor of a transformer's weights, shard by shard, after checking the shard index."""
+        """Every tensor of a transformer's weights, shard by shard, after checking the shard index
+        (or those of its single file, under diffusers' names)."""
+        file = self.transformer_files.get(name if self.is_pipeline else "")  # a bare folder's one transformer is ""
+        if file is not None:
+            from slidefusion.io.single_file import single_file_entries
+
+            return single_file_entries(file, self.adapter(name))
         return weight_entries(self.transformer_dir(name))
 
 
-def open_folder(path: str | Path) -> PretrainedFolder:
-    """Check that `path` is a local diffusers folder of a supported model; see the module docstring."""
+def open_folder(path: str | Path | PretrainedFolder, transformer: str | Path | None = None,
+                expert: str = "transformer", what: str = "model.transformer") -> PretrainedFolder:
+    """Check that `path` is a local diffusers folder of a supported model; see the module docstring.
+    With `transformer` (a single-file transformer), its weights replace those of `expert` (see
+    `PretrainedFolder.transformer_files`), after checking its names and shapes against the folder's
+    config (`what` names it in errors). An opened folder is returned as it is."""
+    if isinstance(path, PretrainedFolder):
+        check(transformer is None, "open_folder: give the single-file transformer when opening the folder")
+        return path
+    folder = _open(path)
+    return folder if transformer is None else with_transformer_file(folder, transformer, expert, what)
+
+
+def with_transformer_file(folder: PretrainedFolder, path: str | Path, expert: str = "transformer",
+                          what: str = "model.transformer") -> PretrainedFolder:
+    """`folder` with `expert`'s weights read from the single file `path` (checked against its config)."""
+    from slidefusion.io.single_file import check_entries, single_file_entries
+    from slidefusion.pretrained.build import build_on_meta
+
+    name = expert if folder.is_pipeline else ""
+    check(name in folder.transformer_names, f"{what}: {folder.root} has no {expert}; valid: "
+                                            f"{', '.join(folder.transformer_names)}")
+    path = Path(path).expanduser()
+    entries = single_file_entries(path, folder.adapter(name), what)
+    check_entries(entries, build_on_meta(folder, name), path, folder.root, what)
+    return PretrainedFolder(folder.root, folder.index, {**folder.transformer_files, name: path})
+
+
+def _open(path: str | Path) -> PretrainedFolder:
     root = Path(path).expanduser()
     check(root.is_dir(), f"pretrained={path} is not a directory; {_VALID}")
     if (root / "model_index.json").is_file():

@@ -146,7 +146,7 @@ def test_comfyui_export_refuses_what_it_cannot_write(tiny_pipeline_dir, tmp_path
         return save_checkpoint(tmp_path / name, 1, config.to_dict(), {"x": torch.zeros(1)})
 
     cases = [
-        (checkpoint("cog", tiny_pipeline_dir("cogvideox")), [], "has no layout for CogVideoXTransformer3DModel (cogvideox); supported: wan;"),
+        (checkpoint("cog", tiny_pipeline_dir("cogvideox")), [], "has no layout for CogVideoXTransformer3DModel (cogvideox); supported: wan"),
         (checkpoint("wan", tiny_pipeline_dir("wan")), ["--max-shard-size", "1MB"], "applies to --format diffusers only"),
         (checkpoint("slide", tiny_pipeline_dir("wan"), "model.attention=slide"), [], "cannot hold slide attention"),
     ]

@@ -3,6 +3,8 @@
     model:
       pretrained: Wan2.1-T2V-1.3B-Diffusers   # a local diffusers pipeline folder
       expert: transformer                      # Wan 2.2 A14B: transformer (high noise) or transformer_2
+      transformer: wan2.1_t2v_1.3B_bf16.safetensors   # optional: that expert's weights from one file
+                                               # (Wan's original layout, as ComfyUI ships it, or diffusers')
       attention: slide                         # dense (stock) | slide | neighborhood: adapt to slide attention
       attention_options: {kernel_size: [3, 7, 7], offset_mode: sample}   # see slidefusion.processors.SlideOptions
     lora:
@@ -29,6 +31,9 @@ class PretrainedModelConfig:
 
     pretrained: str
     expert: str = "transformer"
+    # A single-file transformer whose weights replace the expert's own (the folder's config.json still
+    # defines the model; text encoders, VAE and scheduler come from the folder).
+    transformer: str | None = None
     # The video self-attention: "dense" keeps the stock processors; "slide" / "neighborhood" swap
     # them (`use_slide_attention`) with these options, offset networks starting at zero.
     attention: str = "dense"
@@ -40,6 +45,10 @@ class PretrainedModelConfig:
         # absolute, so the run's config.json (which generate, export and --resume read) names the same
         # folder from any working directory
         self.pretrained = os.path.abspath(os.path.expanduser(self.pretrained))
+        if self.transformer is not None:
+            check(isinstance(self.transformer, str) and self.transformer.strip() != "",
+                  f"model.transformer={self.transformer!r} must name a .safetensors transformer file")
+            self.transformer = os.path.abspath(os.path.expanduser(self.transformer))
         check(self.expert in EXPERTS, f"model.expert={self.expert!r} is unknown; valid: {', '.join(EXPERTS)}")
         configured_options(self.attention, self.attention_options)  # bad options fail when the config is built
 

@@ -105,7 +105,7 @@ def open_fine_tune(source: str | Path, destination: str | Path, force: bool, fmt
           f"--format {fmt} cannot hold slide attention: {ckpt.path} trained model.attention={config.model.attention} "
           "and the stock model classes have no place for its offset networks (they would run dense attention); "
           f"sample it with `slidefusion generate --checkpoint {ckpt.path}`")
-    folder = open_folder(config.model.pretrained)
+    folder = open_folder(config.model.pretrained, config.model.transformer, config.model.expert)
     weights = ckpt.sampling_weights
     bad = first_nonfinite(weights)
     check(bad is None, f"weight {bad} of {ckpt.path} holds NaN or infinity; export an earlier checkpoint")

@@ -83,7 +83,7 @@ class FolderTask:
         self.config, self.device, cfg = config, device, config.model
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
-        self.folder = folder = open_folder(cfg.pretrained)
+        self.folder = folder = open_folder(cfg.pretrained, cfg.transformer, cfg.expert)
         check(folder.is_pipeline, f"model.pretrained={cfg.pretrained} is a bare transformer folder; training needs a "
                                   "pipeline folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
         check(cfg.expert in folder.transformer_names, f"model.expert={cfg.expert} is not in {folder.root}; valid: "

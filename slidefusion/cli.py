@@ -54,7 +54,12 @@ def _pipeline(args, checkpoint):
     if getattr(args, "pretrained", None):
         if checkpoint not in (_REQUIRED, None) or getattr(args, "init", "checkpoint") == "random" or args.model:
             raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
-        return FolderPipeline.from_pretrained(args.pretrained, device=args.device, transformer=args.transformer)
+        pipe = FolderPipeline.from_pretrained(args.pretrained, transformer=args.transformer)
+        if args.lora:
+            from slidefusion.io.lora_files import apply_lora
+
+            apply_lora(pipe.parts, args.lora, args.lora_scale)
+        return pipe.to(args.device)
     if getattr(args, "init", "checkpoint") == "random":
         if not args.model:
             raise UserError("--init random needs --model PRESET (e.g. stdit-tiny)")
@@ -65,7 +70,7 @@ def _pipeline(args, checkpoint):
         raise UserError("--model is only for --init random; a checkpoint brings its own model")
     if checkpoint is _REQUIRED:
         raise UserError("--checkpoint DIR is required unless --pretrained DIR or --init random --model PRESET is given")
-    return VideoPipeline.from_checkpoint(checkpoint, device=args.device)
+    return VideoPipeline.from_checkpoint(None if checkpoint == "bundled" else checkpoint, device=args.device)
 
 
 def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
@@ -83,6 +88,10 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         folder = open_folder(args.pretrained, args.transformer, what="--transformer")
         if None not in (args.frames, args.height, args.width):
             check_generation(folder, args.frames, args.height, args.width)
+        if args.lora:  # its layout, names and shapes against the folder's config, before the weights load
+            from slidefusion.io.lora_files import lora_for
+
+            lora_for(folder, args.lora)
     pipe = _pipeline(args, checkpoint)
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet)
@@ -98,8 +107,13 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
 def cmd_generate(args) -> None:
     from slidefusion.parallel.cli import generate_parallel, generate_pretrained_parallel, reject_parallel_options
 
-    if args.transformer and not args.pretrained:
-        raise UserError("--transformer FILE replaces the weights of a --pretrained DIR's transformer; add --pretrained DIR")
+    for flag, value, note in (("--transformer FILE", args.transformer, ""),
+                              ("--lora FILE_OR_DIR", args.lora, " (a fine-tune's --checkpoint holds its LoRA already)")):
+        if value and not args.pretrained:
+            raise UserError(f"{flag} applies to the transformer of a --pretrained DIR (a diffusers folder); add "
+                            f"--pretrained DIR{note}")
+    if args.lora_scale != 1.0 and not args.lora:
+        raise UserError("--lora-scale weighs a --lora FILE_OR_DIR; add --lora")
     if args.pretrained:
         missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
         if missing:
@@ -183,13 +197,20 @@ def parser() -> ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     generate = sub.add_parser("generate", help="generate a video from a prompt")
-    generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")
+    generate.add_argument("--checkpoint", default=_REQUIRED,
+                          help="checkpoint folder, run folder (its latest) or 'bundled' (the demo model)")
     generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
                           help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
                                "sampled with its own scheduler")
     generate.add_argument("--transformer", metavar="FILE", type=types.existing_file,
                           help="with --pretrained: the transformer's weights from one .safetensors file (Wan's "
                                "original layout, as the Wan repository and ComfyUI ship it, or diffusers')")
+    generate.add_argument("--lora", metavar="FILE_OR_DIR", type=types.existing_path,
+                          help="with --pretrained: a LoRA merged into the transformer, as `export --format diffusers` "
+                               "or `--format comfyui` writes it (Wan 2.2 A14B: a file named ..._high_noise or "
+                               "..._low_noise)")
+    generate.add_argument("--lora-scale", metavar="S", type=types.number(-100, 100), default=1.0,
+                          help="the LoRA's weight on top of its own alpha / rank (default 1)")
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")

@@ -120,10 +120,18 @@ def _generate_pretrained(args) -> None:
     request = Request(args.prompt, steps=args.steps, guidance=args.guidance, seed=args.seed, **sizes)
     folder = open_folder(args.pretrained, args.transformer, what="--transformer")
     check_request(folder, request, config, launcher_world(), args.out)
+    if args.lora:
+        from slidefusion.io.lora_files import lora_for
+
+        lora_for(folder, args.lora)
     init_distributed(config.timeout_s)
     rank = dist.get_rank()
     tracer = Tracer(rank=rank, enabled=True)
     parts = PretrainedParts.load(folder)
+    if args.lora:
+        from slidefusion.io.lora_files import apply_lora
+
+        apply_lora(parts, args.lora, args.lora_scale)  # before the plans wrap the transformers
     latents, video = pretrained_video(parts, request, config, tracer)
     _finish(args, tracer, start, latents, lambda: video, parts.adapter.fps)
 

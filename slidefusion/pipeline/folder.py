@@ -73,6 +73,15 @@ class FolderPipeline(DiffusersCall):
         model.eval()
         return cls(parts, torch.device("cpu")).to(device)
 
+    def load_lora(self, path: str | Path, scale: float = 1.0) -> FolderPipeline:
+        """Merge a LoRA (a file, or a folder holding one) into the transformer it was trained for:
+        `export --format diffusers` or `--format comfyui` output (see `slidefusion.io.lora_files`),
+        weighted by `scale` on top of its own alpha / rank. Returns self."""
+        from slidefusion.io.lora_files import apply_lora
+
+        apply_lora(self.parts, path, validate.finite(scale, "lora_scale"), "lora")
+        return self
+
     def save_pretrained(self, path: str | Path, force: bool = False) -> Path:
         """A diffusers pipeline folder of these components, written by the family's pipeline class."""
         import diffusers

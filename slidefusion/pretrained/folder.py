@@ -171,6 +171,9 @@ def _open(path: str | Path) -> PretrainedFolder:
                                        f"diffusers model; {_VALID}")
         folder = PretrainedFolder(root, None)
     else:
+        lora = (root / "pytorch_lora_weights.safetensors").is_file()
+        check(not lora, f"pretrained={path} holds LoRA weights, not a model: give the base model's folder as "
+                        f"pretrained and this one as --lora {path}")
         raise UserError(f"pretrained={path} is not a diffusers model folder (no model_index.json or config.json); {_VALID}")
     for name in folder.transformer_names:
         check_supported(folder.transformer_config(name).get("_class_name"), root)

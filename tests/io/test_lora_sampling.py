@@ -97,6 +97,7 @@ def _bad_files(tmp_path, exports):
     ("no-pretrained", [], "--lora FILE_OR_DIR applies to the transformer of a --pretrained DIR"),
     ("scale-alone", ["--lora-scale", "2"], "--lora-scale weighs a --lora FILE_OR_DIR"),
     ("scale-nan", ["--lora-scale", "nan"], "argument --lora-scale"),
+    ("export-as-pretrained", [], "holds LoRA weights, not a model: give the base model's folder"),
 ])
 def test_a_lora_that_does_not_fit_is_one_line(case, extra, message, exports, tiny_wan_dir, tiny_wan_variant_dir,
                                               tmp_path, capsys):
@@ -104,6 +105,8 @@ def test_a_lora_that_does_not_fit_is_one_line(case, extra, message, exports, tin
     folder = tiny_wan_variant_dir("2.2-a14b") if case == "a14b" else tiny_wan_dir
     lora = ["--lora", str(files.get(case, exports[1] / "diffusers"))] if case != "scale-alone" else []
     source = ["--checkpoint", str(exports[0])] if case == "no-pretrained" else ["--pretrained", str(folder)]
+    if case == "export-as-pretrained":
+        source, lora = ["--pretrained", str(exports[1] / "diffusers")], []
     assert main(["generate", *source, *lora, *extra, *SAMPLE, "--out", str(tmp_path / "v.gif")]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -12,6 +12,7 @@ gives the same tensors as `ModelClass.from_pretrained(dir, torch_dtype=dtype)`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -43,13 +44,22 @@ def transformer_class(folder: PretrainedFolder | str | Path, name: str = "transf
 
 def build_on_meta(folder: PretrainedFolder | str | Path, name: str = "transformer") -> nn.Module:
     """The transformer built from config.json with every parameter on the meta device (no memory);
-    buffers computed at construction (RoPE tables, position tables) are real, as in diffusers."""
+    buffers computed at construction (RoPE tables, position tables) are real, as in diffusers. A
+    transformer saved with slide attention is swapped as it was saved (its offset networks on meta
+    too; `slidefusion.processors.persist`)."""
     from accelerate import init_empty_weights
+
+    from slidefusion.processors import use_slide_attention
+    from slidefusion.processors.persist import saved_options, without_options
 
     folder = _folder(folder)
     cls = transformer_class(folder, name)
+    config = folder.transformer_config(name)
     with init_empty_weights(include_buffers=False):
-        model = cls.from_config(folder.transformer_config(name))
+        model = cls.from_config(without_options(config))
+    slide = saved_options(config)
+    if slide is not None:
+        use_slide_attention(model, **dataclasses.asdict(slide))
     return model.eval()
 
 

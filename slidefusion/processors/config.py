@@ -4,8 +4,8 @@
     weights = slide_offset_weights(transformer, seed)   # initial offset-network weights, by name
 
 `use_configured_attention` maps `model.attention` = "dense" (nothing to do) | "neighborhood" (no
-offsets) | "slide" and its options (kernel_size, offset_mode, max_offset, temporal, backend - the
-names `model.attention=slide` takes on our own models, plus `temporal` and `backend`) onto
+offsets) | "slide" and its options (kernel_size, offset_mode, max_offset, temporal, backend, grid -
+the names `model.attention=slide` takes on our own models, plus `temporal`, `backend` and `grid`) onto
 `use_slide_attention`. On a meta-device model the offset networks are created on the meta device
 too; `slide_offset_weights` gives their initial values (the same for the same seed), for the
 offload engine's `load_weights` next to the checkpoint's, or `load_state_dict(strict=False)` on a
@@ -29,7 +29,7 @@ from slidefusion.processors.swap import SlideAttentionHandle, slide_attention_ha
 PRETRAINED_ATTENTION = ("dense", "neighborhood", "slide")
 # model.attention_options key -> use_slide_attention argument
 _OPTIONS = {"kernel_size": "kernel_size", "offset_mode": "offsets", "max_offset": "max_offset",
-            "temporal": "temporal", "backend": "backend"}
+            "temporal": "temporal", "backend": "backend", "grid": "grid"}
 
 
 def configured_options(attention: str, options: Mapping | None = None) -> SlideOptions | None:

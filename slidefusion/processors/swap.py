@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from slidefusion.adapters import AttentionSite, ModelAdapter, adapter_for
+from slidefusion.adapters import AttentionSite, ModelAdapter, adapter_for, config_value
 from slidefusion.attention import GridAttention, NeighborhoodAttention3d, OffsetNet, SlideAttention3d
 from slidefusion.errors import check
 from slidefusion.processors.processor import OFFSETS_ATTR, GridState, SitePlan, slide_processor_class
@@ -51,10 +51,14 @@ class SlideAttentionHandle:
 
 
 def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: str | None = "sample", *,
-                        max_offset: float = 0.9, temporal: str = "dense",
-                        backend: str = "auto") -> SlideAttentionHandle:
+                        max_offset: float = 0.9, temporal: str = "dense", backend: str = "auto",
+                        grid=None, from_pretrained=None) -> SlideAttentionHandle:
     """Swap the video self-attention of `transformer` (a supported diffusers video transformer, or
     our DiT3D / STDiT) for slide attention; see `SlideOptions` for the arguments.
+
+    `from_pretrained=DIR`: the swap a diffusers model was saved with (`save_pretrained` after a
+    swap records its options in config.json and its offset networks with the weights), restored
+    with those options and trained offsets (`slidefusion.processors.persist`); give no other option.
 
     Full blocks get a (kt, kh, kw) window, spatial ones (Latte's) a (1, kh, kw) window in each frame,
     temporal ones a (kt, 1, 1) window or stay dense (`temporal`). In joint text+video blocks
@@ -65,10 +69,17 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
     `restore_attention(transformer)` undoes the swap. UserError for an unsupported model, a model
     swapped already, or bad options.
     """
-    options = SlideOptions(kernel_size, offsets, max_offset, temporal, backend)
+    options = SlideOptions(kernel_size, offsets, max_offset, temporal, backend, grid)
+    if from_pretrained is not None:
+        from slidefusion.processors.persist import restore_slide_attention
+
+        check(options == SlideOptions(), "use_slide_attention(from_pretrained=DIR) takes the options DIR was saved "
+                                         "with; give no other option")
+        return restore_slide_attention(transformer, from_pretrained)
     adapter = adapter_for(transformer)
     check(transformer not in _SWAPPED, f"{type(transformer).__name__} already uses slide attention; "
                                        "call restore_attention(model) before swapping it again")
+    options = options.clamped(_grid_bound(transformer, adapter))
     sites = [s for s in adapter.attention_sites(transformer)
              if s.kind != "temporal" or options.temporal == "slide"]
     handle = SlideAttentionHandle(transformer, options, [s.path for s in sites])
@@ -76,7 +87,10 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
         if adapter.family in _OURS:
             _swap_ours(transformer, sites, options, handle)
         else:
+            from slidefusion.processors.persist import record_options
+
             _swap_diffusers(transformer, adapter, sites, options, handle)
+            record_options(transformer, options, handle)
     except BaseException:
         handle.remove()
         raise
@@ -93,6 +107,16 @@ def restore_attention(transformer: nn.Module) -> None:
 def slide_attention_handle(transformer: nn.Module) -> SlideAttentionHandle | None:
     """The live handle of a swapped model, or None."""
     return _SWAPPED.get(transformer)
+
+
+def _grid_bound(model: nn.Module, adapter: ModelAdapter):
+    """The largest token grid the family's model can take on any axis (its swap record's config
+    key), as (n, n, n); None where there is no such bound."""
+    record = SWAP_RECORDS.get(adapter.family)
+    if record is None or record.grid_bound is None:
+        return None
+    n = int(config_value(model, record.grid_bound))
+    return (n, n, n)
 
 
 # ---------------------------------------------------------------- diffusers models

@@ -36,7 +36,7 @@ from slidefusion.offload.spill import check_spill_dir
 from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.training import engine_blocks, fitting_policy
-from slidefusion.processors import is_offset_weight, slide_offset_weights, use_slide_attention
+from slidefusion.processors import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
@@ -98,7 +98,10 @@ class FolderTask:
         except UserError as error:
             raise UserError(f"data.frames/height/width: {error}") from None
         self.grid = adapter.token_grid(meta, (1, *self.latent))
-        self.slide = cfg.slide
+        check(slide_attention_handle(meta) is None, f"model.pretrained={cfg.pretrained}: its {cfg.expert} was saved "
+              "with slide attention; fine-tuning a saved slide-attention model again is not supported: resume the "
+              "run that trained it, or sample it with generate --pretrained")
+        self.slide = self._slide_options(cfg)
         self._adapt(meta)
         if not quiet:
             self._say_window()
@@ -173,6 +176,15 @@ class FolderTask:
                 if is_offset_weight(name):
                     param.requires_grad_(True)
 
+    def _slide_options(self, cfg):
+        """The swap's options; a window wider than the run's token grid builds its offset network for
+        that grid (recorded as model.attention_options.grid, so checkpoints rebuild the same model)."""
+        slide = cfg.slide
+        if slide is not None and slide.grid is None and any(k > n for k, n in zip(slide.kernel_size, self.grid)):
+            cfg.attention_options["grid"] = list(self.grid)
+            slide = cfg.slide
+        return slide
+
     def _slide_init(self, model: nn.Module) -> dict:
         return slide_offset_weights(model, self.config.run.seed) if self.slide is not None else {}
 
@@ -185,7 +197,8 @@ class FolderTask:
             axes = "that axis" if len(wide) == 1 else "those axes"
             print(f"model.attention_options.kernel_size {list(self.slide.kernel_size)} is wider than the token grid "
                   f"{list(self.grid)} along {', '.join(wide)}: slide attention attends {axes} whole (the window is "
-                  "clamped to the grid)")
+                  f"clamped to the grid, and the offset network built for it: model.attention_options.grid="
+                  f"{list(self.grid)})")
 
     def _offloaded(self):
         from slidefusion.pretrained import iter_weights

@@ -26,10 +26,10 @@ def slide_forward(
 ) -> tuple[Tensor, Tensor]:
     """(out (B, T, H, W, heads, D), lse (B, T, H, W, heads)) from kernel `backend`.
 
-    Non-finite offsets, on every backend as in the reference: a NaN offset gives its query-head NaN
-    outputs, as NaN inputs give in any torch op (a model with a NaN weight propagates NaN, as the
-    stock model does), and an infinite one puts its point on the grid's edge. Finiteness is checked
-    where input enters (configs, files, the CLI), not here.
+    Non-finite offsets, as in the reference: a NaN offset gives its query-head NaN outputs, as NaN
+    inputs give in any torch op (a model with a NaN weight propagates NaN, as the stock model does),
+    and an infinite one puts its point on the grid's edge (tiled and cpp are tested for both, triton
+    for NaN). Finiteness is checked where input enters (configs, files, the CLI), not here.
     """
     out, lse = backends.kernel_module(backend).forward(q, k, v, offsets, tuple(kernel_size), scale)
     return out, lse.to(backends.lse_dtype(q.dtype))

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_unflatten
 
 from slidefusion.errors import UserError, check
 from slidefusion.offload.device import DeviceWeights, GradientShipper
+from slidefusion.offload.fp8 import check_device
 from slidefusion.offload.checkpoints import make_checkpoints
 from slidefusion.offload.hooks import block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, remove_hooks
 from slidefusion.offload.host_state import HostState
@@ -48,6 +49,8 @@ class OffloadEngine:
         self.device, self.model = policy.torch_device, model
         self.blocks = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList)) else blocks
         self.allocator = allocator or HostAllocator.for_device(self.device, policy.pin_budget, policy.pin_chunk)
+        if policy.frozen_dtype is not None:
+            check_device(policy.frozen_dtype, self.device, policy.compute_dtype)
         self.state = HostState(model, self.blocks, policy, self.allocator.empty)
         check(policy.resident_blocks <= len(self.blocks),
               f"resident_blocks={policy.resident_blocks} must be <= the model's {len(self.blocks)} blocks")
@@ -176,7 +179,8 @@ class OffloadEngine:
             handle.synchronize()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The master weights (frozen parameters: their compute copy) and buffers, keyed as `model.state_dict()`."""
+        """The master weights (frozen parameters: their compute copy, or with an fp8 base their
+        float8 codes, unscaled) and buffers, keyed as `model.state_dict()`."""
         self.synchronize()
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 

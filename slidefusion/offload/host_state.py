@@ -1,6 +1,8 @@
 """Host-resident training state: per group of parameters, flat contiguous buffers, allocated once.
 
-    compute     compute dtype  the copy that is uploaded (trainable + frozen parameters)
+    compute     compute dtype  the copy that is uploaded (trainable + frozen parameters; with an fp8
+                               base, `policy.frozen_dtype`, the trainable prefix only)
+    frozen      with an fp8 base: `fp8.FrozenCodes`, the frozen parameters' codes and scales
     master      `formats.MasterWeights` over the trainable prefix (may be the compute copy itself)
     moments     `formats.Moments` over the trainable prefix
 
@@ -14,6 +16,7 @@ import torch
 
 from slidefusion.errors import UserError
 from slidefusion.offload.formats import MasterWeights, Moments
+from slidefusion.offload.fp8 import FrozenCodes
 from slidefusion.offload.layout import REST, GroupSpec, layout_of, split_groups
 
 
@@ -28,7 +31,11 @@ class GroupState:
         self.trainable = self.params[:len(spec.trainable)]
         self.n_train = sum(p.numel() for p in self.trainable)
         self.train_ends = [e.offset + e.numel for e in self.layout.entries[:len(self.trainable)]]  # AdamW's tensor tails
-        self.compute = allocate(self.layout.numel, policy.compute_dtype, True)
+        n_frozen = self.layout.numel - self.n_train
+        fp8 = policy.frozen_dtype is not None and n_frozen > 0
+        self.compute = allocate(self.n_train if fp8 else self.layout.numel, policy.compute_dtype, True)
+        self.frozen = FrozenCodes(self.layout.entries[len(self.trainable):], self.n_train, policy.frozen_dtype,
+                                  policy.frozen_scales, allocate) if fp8 else None
         self.master = MasterWeights(policy.master, policy.rounding, self.n_train, self.compute, allocate)
         self.moments = Moments(policy.moments, self.layout, self.n_train, allocate)
         if not any(p.is_meta for p in self.params):
@@ -43,6 +50,9 @@ class GroupState:
 
     def write(self, offset: int, numel: int, value: torch.Tensor) -> None:
         """Store `value` (any float dtype) at `offset`: master (+ compensation) and compute copy."""
+        if offset >= self.n_train and self.frozen is not None:
+            self.frozen.write(offset, value)
+            return
         value = value.reshape(-1)
         if offset >= self.n_train:
             self.compute[offset:offset + numel].copy_(value)
@@ -62,7 +72,8 @@ class GroupState:
     def bind_host(self) -> None:
         """Point the model's parameters at their host views: trainable ones at the master."""
         trainable = self.layout.views(self.master.value, len(self.trainable))
-        frozen = self.layout.views(self.compute)[len(self.trainable):]
+        # an fp8 base: the frozen parameters view their codes (the engine's device copies hold values)
+        frozen = self.frozen.views() if self.frozen is not None else self.layout.views(self.compute)[len(self.trainable):]
         for view, param in zip(trainable + frozen, self.params):
             if param.is_meta:  # `.data =` cannot change a tensor's type; swap it (the object stays)
                 torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=param.requires_grad))
@@ -95,7 +106,14 @@ class GroupState:
         return {**self.master.tensors(), **self.moments.tensors()}
 
     def host_bytes(self) -> int:
-        return self.numel * self.compute.element_size() + self.master.host_bytes() + self.moments.host_bytes()
+        codes = 0 if self.frozen is None else self.frozen.host_bytes()  # else the compute copy holds them
+        return self.compute.numel() * self.compute.element_size() + codes + self.master.host_bytes() + self.moments.host_bytes()
+
+    def frozen_bytes(self) -> int:
+        """Host bytes of the frozen parameters: their compute copy, or their fp8 codes and scales."""
+        if self.frozen is not None:
+            return self.frozen.host_bytes()
+        return (self.numel - self.n_train) * self.compute.element_size()
 
 
 class HostState:
@@ -119,8 +137,8 @@ class HostState:
         return sum(g.numel - g.n_train for g in self.groups.values())
 
     def frozen_bytes(self) -> int:
-        """Host bytes of the frozen parameters: their compute copy alone."""
-        return sum((g.numel - g.n_train) * g.compute.element_size() for g in self.groups.values())
+        """Host bytes of the frozen parameters: their compute copy alone (or fp8 codes and scales)."""
+        return sum(g.frozen_bytes() for g in self.groups.values())
 
     def state_dict(self) -> dict:
         """Copies of every group's persistent state, and the storage format it is in."""

@@ -51,6 +51,8 @@ class OffloadPolicy:
     spill_dir: str | None = None  # a folder on a local disk for checkpoints past spill_after (None: keep them)
     spill_after: int = 0  # checkpoint bytes kept in host memory before the rest goes to spill_dir
     spill_reserve: int = 0  # disk bytes reserved before the first step (later steps: what the last one spilled)
+    frozen_dtype: torch.dtype | None = None  # an fp8 base (`fp8.FP8_DTYPES`): frozen weights as codes + scales
+    frozen_scales: str = "channel"  # per output "channel" or per "tensor" (see `fp8`)
 
     def __post_init__(self):
         names = ", ".join(f"torch.{name}" for name in COMPUTE_DTYPES)
@@ -78,6 +80,14 @@ class OffloadPolicy:
             check(value is None or self.checkpoint, f"{name}={value!r} needs checkpoint=True (it works on recomputed blocks)")
         device = self.torch_device  # validates the device
         check(not (self.zero_copy and device.type != "cpu"), f"zero_copy=True needs device='cpu', not {self.device!r}")
+        if self.frozen_dtype is not None:
+            from slidefusion.offload.fp8 import FP8_DTYPES, SCALES
+
+            check(self.frozen_dtype in FP8_DTYPES.values(), f"frozen_dtype={self.frozen_dtype} is unsupported; "
+                                                             f"valid: None, {', '.join(f'torch.{k}' for k in FP8_DTYPES)}")
+            check(self.frozen_scales in SCALES, f"frozen_scales={self.frozen_scales!r} is unknown; valid: {', '.join(SCALES)}")
+            check(not self.zero_copy, "zero_copy=True computes from the host buffers in place, which an fp8 base "
+                                      "(frozen_dtype) does not hold as values; leave zero_copy unset")
 
     @property
     def torch_device(self) -> torch.device:
@@ -92,7 +102,10 @@ class OffloadPolicy:
 
     @property
     def direct(self) -> bool:
-        """The device computes from the host buffers themselves: no uploads, no downloads."""
+        """The device computes from the host buffers themselves: no uploads, no downloads. Not with
+        an fp8 base: its blocks are decoded into device buffers, a CPU "device" included."""
+        if self.frozen_dtype is not None:
+            return False
         return self.zero_copy if self.zero_copy is not None else self.torch_device.type == "cpu"
 
     @property

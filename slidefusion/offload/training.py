@@ -24,7 +24,8 @@ def offload_policy(config) -> OffloadPolicy:
                          pin_budget=off.pin_budget_bytes, tile=off.tile if isinstance(off.tile, int) else None,
                          spill_dir=off.spill_dir, spill_after=off.spill_after_bytes,
                          overlap=None if off.overlap == "auto" else off.overlap,
-                         optimizer_threads=None if off.optimizer_threads == "auto" else off.optimizer_threads)
+                         optimizer_threads=None if off.optimizer_threads == "auto" else off.optimizer_threads,
+                         frozen_dtype=config.lora.base_torch_dtype, frozen_scales=config.lora.base_scales)
 
 
 def offload_optimizer(model: nn.Module, config, grid: tuple[int, int, int],

@@ -11,6 +11,8 @@
       rank: 16                                 # null: full fine-tune
       alpha: 16                                # default: the rank
       target_modules: [to_q, to_k, to_v, to_out.0]   # default: the family's attention projections
+      base_dtype: float8_e4m3fn                # with --offload: the frozen base on the host as fp8 codes
+      base_scales: channel                     # fp8 scales per output channel (or per tensor)
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class LoraConfig:
     rank: int | None = None
     alpha: float | None = None
     target_modules: list[str] | None = None
+    # The frozen base weights with --offload: null keeps them in offload.compute_dtype; an fp8 dtype
+    # stores and streams them as 1-byte codes with float32 scales, dequantised per block on the device.
+    base_dtype: str | None = None
+    base_scales: str = "channel"  # "channel" (one scale per output row) or "tensor"
 
     def __post_init__(self):
         if self.rank is not None:
@@ -78,10 +84,24 @@ class LoraConfig:
             check(len(self.target_modules) > 0 and all(isinstance(m, str) and m.strip() for m in self.target_modules),
                   f"lora.target_modules={self.target_modules!r} must be a non-empty list of module names, "
                   "e.g. [to_q, to_k, to_v, to_out.0]")
+        from slidefusion.offload.fp8 import FP8_DTYPES, SCALES
+
+        check(self.base_dtype is None or self.base_dtype in FP8_DTYPES,
+              f"lora.base_dtype={self.base_dtype!r} is unknown; valid: null (the compute dtype), {', '.join(FP8_DTYPES)}")
+        check(self.base_scales in SCALES, f"lora.base_scales={self.base_scales!r} is unknown; valid: {', '.join(SCALES)}")
+        check(self.base_dtype is None or self.enabled,
+              f"lora.base_dtype={self.base_dtype} stores a LoRA run's frozen base; set lora.rank (e.g. 16) too")
 
     @property
     def enabled(self) -> bool:
         return self.rank is not None
+
+    @property
+    def base_torch_dtype(self):
+        """The torch dtype of `base_dtype`, or None."""
+        from slidefusion.offload.fp8 import FP8_DTYPES
+
+        return None if self.base_dtype is None else FP8_DTYPES[self.base_dtype]
 
     @property
     def scale_alpha(self) -> float:

@@ -35,6 +35,7 @@ from slidefusion.offload.shapes import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
 from slidefusion.offload.spill import check_spill_dir
 from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload import OffloadEngine
+from slidefusion.offload.fp8 import check_device
 from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
@@ -112,10 +113,15 @@ class FolderTask:
             check_tileable(meta, adapter.blocks(meta), config.offload.tile)
         if config.offload.enabled and config.offload.spill_dir is not None:
             check_spill_dir(config.offload.spill_dir)
+        check(config.lora.base_dtype is None or config.offload.enabled,
+              f"lora.base_dtype={config.lora.base_dtype} stores the frozen base on the host for the offload engine; "
+              "add --offload, or drop lora.base_dtype")
         self.policy = None
         if config.offload.enabled:  # the planner's refusal now, not after the caches; the engine takes this plan
             attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
             self.policy = fitting_policy(meta, config, self.grid, model_shape(meta, adapter, attention))
+            if self.policy.frozen_dtype is not None:  # before any cache: a device without fp8 casts says so now
+                check_device(self.policy.frozen_dtype, self.policy.torch_device, self.policy.compute_dtype)
         else:
             params = sum(p.numel() for p in meta.parameters())
             memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,

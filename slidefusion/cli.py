@@ -92,9 +92,11 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
             from slidefusion.io.lora_files import lora_for
 
             lora_for(folder, args.lora)
+    image = _image(args, folder if getattr(args, "pretrained", None) else None)
     pipe = _pipeline(args, checkpoint)
+    extra = {} if image is None else {"image": image}
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
-                           guidance=args.guidance, seed=args.seed, progress=not args.quiet)
+                           guidance=args.guidance, seed=args.seed, progress=not args.quiet, **extra)
     if getattr(args, "save_latents", None):  # demo has no such option
         print(f"wrote {save_latents(args.save_latents, latents)}")
     video = pipe.decode(latents)
@@ -102,6 +104,16 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
         write_video(out, video, fps=pipe.fps)
         print(f"wrote {out}")
     print(f"{prompt!r}: {video.shape[1]} frames of {video.shape[2]}x{video.shape[3]} in {time.perf_counter() - start:.1f} s")
+
+
+def _image(args, folder):
+    """The --image of an image-to-video folder, read and checked against it before any weight loads."""
+    if folder is None:
+        return None
+    from slidefusion.pretrained.image import check_image_use, open_image
+
+    check_image_use(folder, bool(getattr(args, "image", None)))
+    return open_image(args.image) if getattr(args, "image", None) else None
 
 
 def cmd_generate(args) -> None:
@@ -114,6 +126,10 @@ def cmd_generate(args) -> None:
                             f"--pretrained DIR{note}")
     if args.lora_scale != 1.0 and not args.lora:
         raise UserError("--lora-scale weighs a --lora FILE_OR_DIR; add --lora")
+    if args.image and not args.pretrained:
+        raise UserError("--image applies to a --pretrained DIR (a Wan 2.1 I2V or Wan 2.2 TI2V folder); add --pretrained DIR")
+    if args.image and args.parallel:
+        raise UserError("--image does not run under --parallel yet; drop --parallel to sample on one device")
     if args.pretrained:
         missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
         if missing:
@@ -211,6 +227,9 @@ def parser() -> ArgumentParser:
                                "..._low_noise)")
     generate.add_argument("--lora-scale", metavar="S", type=types.number(-100, 100), default=1.0,
                           help="the LoRA's weight on top of its own alpha / rank (default 1)")
+    generate.add_argument("--image", metavar="PATH", type=types.existing_file,
+                          help="with --pretrained: the first frame of an image-to-video Wan folder (Wan 2.1 I2V, "
+                               "or Wan 2.2 TI2V's image mode)")
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")

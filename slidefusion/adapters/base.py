@@ -47,7 +47,8 @@ class ModelAdapter:
     call: the family's call function (see CallFn); patch: config keys (or ints) of (pt, ph, pw);
     objective / text: what the model predicts and how its pipeline encodes prompts (None: ours);
     pipelines: the diffusers pipeline classes that run this transformer (export writes the first);
-    channels / text_dim / pooled_dim: config keys of the latent channels and the text widths;
+    channels / text_dim / pooled_dim: config keys of the latent channels (the noise's; a model's input
+        may add conditioning channels, Wan 2.1 I2V) and the text widths;
     input_layout: how the model's own forward receives latents, for `grid_from_call`: "BCTHW",
         "BTCHW" (CogVideoX, frames first) or "packed" (LTX: (B, N, C) tokens with num_frames/height/
         width keywords); check_latents: extra shape rules (Latte's video_length);
@@ -154,7 +155,8 @@ class ModelAdapter:
         shape = tuple(hidden.shape)
         if self.input_layout == "BTCHW":
             shape = (shape[0], shape[2], shape[1], shape[3], shape[4])
-        return self.token_grid(model, shape)
+        # the model's own input may carry conditioning channels beside the latents (Wan 2.1 I2V)
+        return self.token_grid(model, (shape[0], self.latent_channels(model), *shape[2:]))
 
     # ------------------------------------------------------------------ calling
     def raw_output(self, model: nn.Module, latents: Tensor, timesteps, text: TextConditioning) -> Tensor:

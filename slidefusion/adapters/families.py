@@ -7,6 +7,7 @@ as the pipeline runs it. Timesteps are always in the model's own units (`Objecti
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 import torch
@@ -22,9 +23,19 @@ ONE_T5 = dict(encoders=("text_encoder",), tokenizers=("tokenizer",), encoder_cla
 
 # ---------------------------------------------------------------- Wan 2.1 / 2.2
 def _call_wan(adapter: ModelAdapter, model: nn.Module, x: Tensor, t: Tensor, text: TextConditioning) -> Tensor:
+    first_frame = adapter.options["expand_timesteps"] and text.video is not None
     if adapter.options["expand_timesteps"] and t.ndim == 1:
-        # Wan 2.2 TI2V: one timestep per video token, as WanPipeline builds them (all equal for text-to-video)
-        t = t[:, None].expand(-1, adapter.tokens(model, x.shape))
+        # Wan 2.2 TI2V: one timestep per video token, as WanPipeline builds them (all equal for text-to-video;
+        # WanImageToVideoPipeline's image mode gives the first latent frame's tokens timestep 0)
+        per_token = t[:, None].expand(-1, adapter.tokens(model, x.shape))
+        if first_frame:
+            per_frame = math.prod(adapter.token_grid(model, x.shape)[1:])
+            per_token = torch.cat([torch.zeros_like(per_token[:, :per_frame]), per_token[:, per_frame:]], dim=1)
+        t = per_token
+    if first_frame:  # the condition's latents stand in for the first latent frame
+        x = torch.cat([text.video.to(x.dtype), x[:, :, 1:]], dim=2)
+    elif text.video is not None:  # Wan 2.1 I2V: mask and first-frame latents beside the latents
+        x = torch.cat([x, text.video.to(x.dtype)], dim=1)
     # WanPipeline zero-pads the prompt states to max_sequence_length and passes no mask.
     states = text.states if text.mask is None else text.states * text.mask[..., None].to(text.states.dtype)
     return model(hidden_states=x, timestep=t, encoder_hidden_states=states,
@@ -40,7 +51,7 @@ def _check_wan(adapter, model, shape):
 
 
 WAN = ModelAdapter(
-    family="wan", class_name="WanTransformer3DModel",
+    family="wan", class_name="WanTransformer3DModel", channels="out_channels",  # I2V: in = latents + condition
     block_lists=(BlockList("blocks", "full", "attn1"),),
     call=_call_wan, patch=("patch_size.0", "patch_size.1", "patch_size.2"),
     objective=Objective("flow", "sigma", 1000.0, "UniPCMultistepScheduler", velocity="noise-x0"),

@@ -28,6 +28,9 @@ class TextConditioning:
     guidance: embedded guidance scale for guidance-distilled models (HunyuanVideo), in the
         pipeline's `guidance_scale` units (a float, or a (B,) tensor); None: the family default.
     image: (B, L_img, D_img) image encoder states (Wan 2.1 image-to-video), or None.
+    video: (B, C_v, T, H, W) latent conditioning read beside the latents (Wan 2.1 image-to-video: the
+        mask and the first frame's latents, stacked on the channels; Wan 2.2 TI2V: the first latent
+        frame, C_v = C and T = 1, which stands in for the latents' own), or None.
     """
 
     states: Tensor
@@ -35,6 +38,7 @@ class TextConditioning:
     pooled: Tensor | None = None
     guidance: float | Tensor | None = None
     image: Tensor | None = None
+    video: Tensor | None = None
 
     def __post_init__(self):
         check(isinstance(self.states, Tensor) and self.states.ndim == 3,

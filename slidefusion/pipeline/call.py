@@ -87,7 +87,7 @@ class DiffusersCall:
                  width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                  generator=None, output_type: str = "np", return_dict: bool = True, seed: int | None = None,
                  frames: int | None = None, steps: int | None = None, guidance: float | None = None,
-                 progress: bool = False):
+                 progress: bool = False, image=None):
         """Sample videos; see the module docstring. Returns a `VideoPipelineOutput` (a tuple
         `(frames,)` with return_dict=False, as diffusers)."""
         check(output_type in OUTPUT_TYPES, f"output_type={output_type!r} is unknown; valid: {', '.join(OUTPUT_TYPES)}")
@@ -101,8 +101,9 @@ class DiffusersCall:
         validate.finite(scale, "guidance_scale", 0)
         check(isinstance(steps, int) and steps >= 1, f"num_inference_steps={steps!r} must be an int >= 1")
         noise = noise_from(generator, seed, len(prompts), self.draw_noise)
+        extra = {} if image is None else {"image": image}  # the first frame of an image-to-video folder
         latents = self.sample_latents(prompts, negatives, noise, steps=steps, guidance=float(scale), progress=progress,
-                                      **sizes)
+                                      **sizes, **extra)
         result = latents if output_type == "latent" else _frames(self.decode_batch(latents), output_type)
         return VideoPipelineOutput(result) if return_dict else (result,)
 

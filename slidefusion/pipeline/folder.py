@@ -105,7 +105,7 @@ class FolderPipeline(DiffusersCall):
         """Move every component (transformers, text encoders, VAE); returns self."""
         self.device = validate.device(str(device), "device")
         for module in [m for m, _ in self.parts.experts] + [self.parts.text_encoder, self.parts.text_encoder_2,
-                                                             self.parts.vae]:
+                                                             self.parts.vae, self.parts.image_encoder]:
             if module is not None:
                 module.to(self.device)
         return self
@@ -144,29 +144,32 @@ class FolderPipeline(DiffusersCall):
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 30, guidance: float = 5.0, seed: int = 0, negative_prompt: str = "",
-                progress: bool = True) -> Tensor:
-        """Final latents (1, C, T', H', W') of one prompt, noise from `seed`."""
+                progress: bool = True, image=None) -> Tensor:
+        """Final latents (1, C, T', H', W') of one prompt, noise from `seed`; `image`: the first frame
+        (a PIL image) of an image-to-video model."""
         return self.latents_batch([prompt], [seed], frames=frames, height=height, width=width, steps=steps,
-                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress)
+                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress, image=image)
 
     @torch.no_grad()
     def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
                       height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 5.0,
-                      negative_prompt: str = "", progress: bool = False) -> Tensor:
+                      negative_prompt: str = "", progress: bool = False, image=None) -> Tensor:
         """Latents (B, C, T', H', W'); video i starts from the noise of seed `seeds[i]` alone."""
         noise = self.seeded_noise(prompts, seeds)
         sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=frames, height=height, width=width).items()
                                            if v is not None}}
         return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=sizes.get("frames"),
                                    height=sizes.get("height"), width=sizes.get("width"), steps=steps,
-                                   guidance=guidance, progress=progress)
+                                   guidance=guidance, progress=progress, image=image)
 
     @torch.no_grad()
     def sample_latents(self, prompts: list[str], negatives: list[str], noise: NoiseFn, *, frames: int | None,
                        height: int | None, width: int | None, steps: int, guidance: float,
-                       progress: bool = False) -> Tensor:
-        """Latents (B, C, T', H', W') from `noise(shape)`, by the folder's scheduler loop."""
+                       progress: bool = False, image=None) -> Tensor:
+        """Latents (B, C, T', H', W') from `noise(shape)`, by the folder's scheduler loop; `image`
+        (a PIL image) conditions an image-to-video model (`slidefusion.pretrained.image`)."""
         from slidefusion.pretrained import denoise, encode_prompts, latent_shape
+        from slidefusion.pretrained.image import check_image_use, image_condition
 
         parts = self.parts
         for key, value in (("frames", frames), ("height", height), ("width", width)):
@@ -180,6 +183,10 @@ class FolderPipeline(DiffusersCall):
         cond = encode_prompts(parts, prompts)
         guided = guidance != 1.0 and parts.adapter.guidance == "cfg"
         uncond = encode_prompts(parts, negatives) if guided else None
+        if check_image_use(parts.folder, image is not None, "image") is not None and image is not None:
+            states, video = image_condition(parts, image, initial, frames, height, width)
+            cond = dataclasses.replace(cond, image=states, video=video)  # the same image for both halves of CFG
+            uncond = None if uncond is None else dataclasses.replace(uncond, image=states, video=video)
         latents = denoise(parts, initial, cond, uncond, steps, guidance, progress)
         check_finite(latents, guidance, steps)
         return latents

@@ -94,6 +94,8 @@ def _generate(checkpoint, prompt: str, outs: list[Path], args) -> None:
             lora_for(folder, args.lora)
     image = _image(args, folder if getattr(args, "pretrained", None) else None)
     pipe = _pipeline(args, checkpoint)
+    if not getattr(args, "pretrained", None):  # a checkpoint: a fine-tune of an image-to-video folder takes one
+        image = _checkpoint_image(args, pipe)
     extra = {} if image is None else {"image": image}
     latents = pipe.latents(prompt, frames=args.frames, height=args.height, width=args.width, steps=args.steps,
                            guidance=args.guidance, seed=args.seed, progress=not args.quiet, **extra)
@@ -116,6 +118,17 @@ def _image(args, folder):
     return open_image(args.image) if getattr(args, "image", None) else None
 
 
+def _checkpoint_image(args, pipe):
+    from slidefusion.pipeline import FolderPipeline
+
+    if isinstance(pipe, FolderPipeline):
+        return _image(args, pipe.parts.folder)
+    if getattr(args, "image", None):
+        raise UserError("--image applies to image-to-video Wan folders (--pretrained DIR) and fine-tunes of them "
+                        "(--checkpoint RUN); this checkpoint is one of our own text-to-video models")
+    return None
+
+
 def cmd_generate(args) -> None:
     from slidefusion.parallel.cli import generate_parallel, generate_pretrained_parallel, reject_parallel_options
 
@@ -126,8 +139,6 @@ def cmd_generate(args) -> None:
                             f"--pretrained DIR{note}")
     if args.lora_scale != 1.0 and not args.lora:
         raise UserError("--lora-scale weighs a --lora FILE_OR_DIR; add --lora")
-    if args.image and not args.pretrained:
-        raise UserError("--image applies to a --pretrained DIR (a Wan 2.1 I2V or Wan 2.2 TI2V folder); add --pretrained DIR")
     if args.image and args.parallel:
         raise UserError("--image does not run under --parallel yet; drop --parallel to sample on one device")
     if args.pretrained:

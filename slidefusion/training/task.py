@@ -113,6 +113,9 @@ class OwnModelTask:
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
         self.config, self.device = config, device
         data = config.data
+        if config.diffusion.image_dropout:
+            raise UserError(f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video "
+                            "fine-tunes of a diffusers folder (model.pretrained=DIR); set it to 0")
         self.autoencoder = build_autoencoder(config.autoencoder).to(device)
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
         if latent[0] != config.model.in_channels:

@@ -63,7 +63,7 @@ def test_image_to_video_samples_what_diffusers_samples(variant, i2v_dir, tiny_wa
     ("not-an-image", "is not an image this program can read"),
     ("text-to-video", "holds a text-to-video WanTransformer3DModel; an image conditions"),
     ("missing-image", "is an image-to-video model (Wan 2.1 I2V): give --image PATH"),
-    ("no-pretrained", "--image applies to a --pretrained DIR"),
+    ("no-pretrained", "--image applies to image-to-video Wan folders (--pretrained DIR) and fine-tunes of them"),
     ("parallel", "--image does not run under --parallel yet"),
 ])
 def test_bad_image_input_is_one_line(case, message, i2v_dir, tiny_wan_dir, tmp_path, capsys):

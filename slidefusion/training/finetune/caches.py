@@ -10,6 +10,10 @@ same tensors and never by one that would not:
     CACHE/text/<sha>.safetensors      "states" (L, D) float32, "mask" (L,) uint8 (families that take
                                       one), "pooled" (P,) (HunyuanVideo); key: the caption and the
                                       text encoders and tokenizers (their files)
+    CACHE/image/<sha>.safetensors     image-to-video folders: the clip's first frame as the condition,
+                                      "video" (C_v, T, H, W) and, for Wan 2.1 I2V, "states" (L, D)
+                                      (`slidefusion.pretrained.image`); key: the clip, the VAE and the
+                                      image encoder (their files), the mode
 
 Each file is written to a temporary name and renamed into place. Wan's states end in zeros (its
 pipeline zero-pads to 512 tokens), so only the rows up to the last non-zero one are stored and the
@@ -90,9 +94,16 @@ class FinetuneCache:
     `vae_id` / `text_id` identify the VAE and the text encoders (`component_identity`); `spec` is
     the adapter's `TextSpec` (its max_length and padding say how a batch pads states)."""
 
-    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec):
+    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec, image: tuple | None = None):
+        """`image`: (mode, image encoder identity, latent shape (C, T, H, W)) of an image-to-video folder."""
         self.root, self.data, self.dataset, self.spec = Path(root), data, dataset, spec
         self.vae_id, self.text_id = _digest(vae_id), _digest(text_id)
+        self.image_mode, self.image_id, self.latent_shape = (None, None, None) if image is None else \
+            (image[0], _digest({"mode": image[0], "encoder": image[1], "vae": vae_id}), tuple(image[2]))
+
+    def image_path(self, index: int) -> Path:
+        key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "image": self.image_id})
+        return self.root / "image" / f"{key}.safetensors"
 
     def latent_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
@@ -104,7 +115,8 @@ class FinetuneCache:
 
     def missing(self, captions: list[str]) -> tuple[list[int], list[str]]:
         """Clip indices and captions that have no cache file yet."""
-        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()]
+        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()
+                 or (self.image_mode is not None and not self.image_path(i).is_file())]
         return clips, [c for c in dict.fromkeys(captions) if not self.text_path(c).is_file()]
 
     def fill(self, parts, device, quiet: bool, captions: list[str]) -> int:
@@ -116,13 +128,39 @@ class FinetuneCache:
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
+            if parts.image_encoder is not None:
+                parts.image_encoder.to(device)
             for i in tqdm(clips, desc="caching latents", disable=quiet, leave=False):
                 video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
                 _write(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT})
+                if self.image_mode is not None:
+                    _write(self.image_path(i), self._image_tensors(parts, video[0]), {"format": FORMAT})
         for caption in tqdm(texts, desc="caching text", disable=quiet, leave=False):
             text = encode_prompts(parts, [caption])
             _write(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption})
         return len(clips) + len(texts)
+
+    def _image_tensors(self, parts, video: Tensor) -> dict[str, Tensor]:
+        """The condition of a clip (3, T, H, W) in [-1, 1]: its first frame, as an 8-bit image (what a
+        user gives `generate --image`), through the folder's image-to-video pipeline."""
+        from PIL import Image
+
+        from slidefusion.pretrained.image import image_condition
+
+        pixels = ((video[:, 0].float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
+        zeros = torch.zeros(1, *self.latent_shape)
+        states, condition = image_condition(parts, Image.fromarray(pixels.numpy()), zeros, self.data.frames,
+                                            self.data.height, self.data.width)
+        tensors = {"video": condition[0].float()}
+        if states is not None:
+            tensors["states"] = states[0].float()
+        return tensors
+
+    def image(self, indices: list[int]) -> tuple[Tensor | None, Tensor]:
+        """(CLIP states (B, L, D) or None, latent condition (B, C_v, T, H, W)) of a batch's clips."""
+        rows = [_read(self.image_path(i)) for i in indices]
+        states = torch.stack([r["states"] for r in rows]) if "states" in rows[0] else None
+        return states, torch.stack([r["video"] for r in rows])
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

@@ -36,6 +36,7 @@ from slidefusion.offload.spill import check_spill_dir
 from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.fp8 import check_device
+from slidefusion.pretrained.image import check_image_use, image_mode
 from slidefusion.offload.training import engine_blocks, fitting_policy
 from slidefusion.processors import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune import lora as lora_lib
@@ -99,6 +100,12 @@ class FolderTask:
         except UserError as error:
             raise UserError(f"data.frames/height/width: {error}") from None
         self.grid = adapter.token_grid(meta, (1, *self.latent))
+        self.image_mode = image_mode(folder, cfg.expert)
+        check(self.image_mode is not None or not config.diffusion.image_dropout,
+              f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video folders; "
+              f"{cfg.pretrained} is text-to-video: set it to 0")
+        if self.image_mode is not None:
+            check_image_use(folder, True, "model.pretrained")  # a Wan 2.1 I2V folder has its image encoder
         check(slide_attention_handle(meta) is None, f"model.pretrained={cfg.pretrained}: its {cfg.expert} was saved "
               "with slide attention; fine-tuning a saved slide-attention model again is not supported: resume the "
               "run that trained it, or sample it with generate --pretrained")
@@ -145,8 +152,12 @@ class FolderTask:
         text = self.adapter.text
         text_components = [*text.encoders, *text.tokenizers]
         root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
+        image = None
+        if self.image_mode is not None:  # what conditions each clip: its first frame
+            encoder = [c for c in ("image_encoder", "image_processor") if c in self.folder.components()]
+            image = (self.image_mode, component_identity(self.folder, encoder), self.latent)
         cache = FinetuneCache(root, self.config.data, self.dataset, component_identity(self.folder, ["vae"]),
-                              component_identity(self.folder, text_components), text)
+                              component_identity(self.folder, text_components), text, image)
         clips, texts = cache.missing([*self.captions, ""])
         if clips or texts:
             parts = PretrainedParts.load(self.folder, transformers=False)
@@ -237,11 +248,24 @@ class FolderTask:
         text = self.cache.text(captions)
         text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
                           None if text.pooled is None else text.pooled.to(self.device))
+        if self.image_mode is not None:
+            text = self._with_image(text, indices, generator)
 
         def loss(model: nn.Module) -> torch.Tensor:
             return self.objective.loss(model, latents, text, generator)
 
         return loss
+
+    def _with_image(self, text, indices: list[int], generator: torch.Generator):
+        """The batch's image conditioning from the cache; with probability diffusion.image_dropout the
+        step trains without it (zeros for Wan 2.1 I2V, a text-to-video step for Wan 2.2 TI2V)."""
+        states, video = self.cache.image(indices)
+        if bool(torch.rand((), generator=generator) < self.config.diffusion.image_dropout):
+            if self.image_mode == "first-frame":
+                return text
+            states, video = None if states is None else torch.zeros_like(states), torch.zeros_like(video)
+        to = (lambda x: None if x is None else x.to(self.device))  # noqa: E731
+        return dataclasses.replace(text, image=to(states), video=to(video))
 
     def weights(self, state: dict) -> dict:
         """Every weight, or LoRA's adapters only (and slide attention's offset networks)."""

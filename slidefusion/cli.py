@@ -205,6 +205,22 @@ def _sampling_options(parser: ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _folder_options(generate: ArgumentParser) -> None:
+    """What `generate --pretrained DIR` takes beside the folder: its weights, a LoRA, a first frame."""
+    generate.add_argument("--transformer", metavar="FILE", type=types.existing_file,
+                          help="with --pretrained: the transformer's weights from one .safetensors file (Wan's "
+                               "original layout, as the Wan repository and ComfyUI ship it, or diffusers')")
+    generate.add_argument("--lora", metavar="FILE_OR_DIR", type=types.existing_path,
+                          help="with --pretrained: a LoRA merged into the transformer, as `export --format diffusers` "
+                               "or `--format comfyui` writes it (Wan 2.2 A14B: a file named ..._high_noise or "
+                               "..._low_noise)")
+    generate.add_argument("--lora-scale", metavar="S", type=types.number(-100, 100), default=1.0,
+                          help="the LoRA's weight on top of its own alpha / rank (default 1)")
+    generate.add_argument("--image", metavar="PATH", type=types.existing_file,
+                          help="the first frame, for an image-to-video Wan folder (Wan 2.1 I2V, or Wan 2.2 TI2V's "
+                               "image mode) or a fine-tune of one")
+
+
 def parser() -> ArgumentParser:
     from slidefusion.parallel.cli import add_parallel_options, add_simulate_parser
     from slidefusion.eval.cli import add_evaluate_parser, add_experiment_parser
@@ -229,18 +245,7 @@ def parser() -> ArgumentParser:
     generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
                           help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
                                "sampled with its own scheduler")
-    generate.add_argument("--transformer", metavar="FILE", type=types.existing_file,
-                          help="with --pretrained: the transformer's weights from one .safetensors file (Wan's "
-                               "original layout, as the Wan repository and ComfyUI ship it, or diffusers')")
-    generate.add_argument("--lora", metavar="FILE_OR_DIR", type=types.existing_path,
-                          help="with --pretrained: a LoRA merged into the transformer, as `export --format diffusers` "
-                               "or `--format comfyui` writes it (Wan 2.2 A14B: a file named ..._high_noise or "
-                               "..._low_noise)")
-    generate.add_argument("--lora-scale", metavar="S", type=types.number(-100, 100), default=1.0,
-                          help="the LoRA's weight on top of its own alpha / rank (default 1)")
-    generate.add_argument("--image", metavar="PATH", type=types.existing_file,
-                          help="with --pretrained: the first frame of an image-to-video Wan folder (Wan 2.1 I2V, "
-                               "or Wan 2.2 TI2V's image mode)")
+    _folder_options(generate)
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")

@@ -69,6 +69,15 @@ def test_an_image_to_video_fine_tune_samples_what_diffusers_samples_from_its_exp
     assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
     base = _diffusers(folder, image, variant)
     assert (ours - base).abs().max() > 1e-3 * base.abs().max()  # the fine-tuned weights sampled
+    if variant == "2.1-i2v":  # its image projection and image keys in Wan's original names, read back by diffusers
+        from diffusers import WanTransformer3DModel
+
+        assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "comfy"), "--format", "comfyui",
+                     "--dtype", "float32"]) == 0
+        single = WanTransformer3DModel.from_single_file(str(tmp_path / "comfy" / "i2v_fp32.safetensors"),
+                                                        config=str(folder), subfolder="transformer").state_dict()
+        trained = load_file(run / "checkpoint-2" / "model.safetensors")
+        assert single.keys() == trained.keys() and all(torch.equal(single[k], trained[k]) for k in trained)
     _, without = _train(folder, variant, tmp_path, "dropped", "diffusion.image_dropout=0.999")
     assert without[0] != losses[0]  # the same draws, but no image: the condition is what training saw
 

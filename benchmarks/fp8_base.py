@@ -10,6 +10,7 @@ asked for is 5 %. Also reported: the engine's host bytes per frozen parameter an
 
     nice -n 19 python benchmarks/fp8_base.py                           # 150 steps per mode
     python benchmarks/fp8_base.py --quick                              # smoke run: 6 steps
+    python benchmarks/fp8_base.py --device cuda --steps 400            # on a GPU (benchmarks/gpu/fp8_base.sh)
 
 Writes a table on stdout, OUT/fp8_base.json (both curves, the machine) and OUT/fp8_base.png.
 """
@@ -47,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--objects", type=int, default=2, help="data.max_objects of the fine-tune (the model saw 1)")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    p.add_argument("--device", default="cpu", help="the engine's device: cpu (copy threads) or cuda")
     p.add_argument("--quick", action="store_true", help="6 steps, tail 3: checks that everything runs")
     p.add_argument("--out", default="runs/benchmarks/fp8_base")
     args = p.parse_args(argv)
@@ -62,8 +64,11 @@ def machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "load_average": os.getloadavg()}
+    facts = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+             "python": platform.python_version(), "load_average": os.getloadavg()}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name()
+    return facts
 
 
 def lora_model(args, folder: str):
@@ -74,10 +79,10 @@ def lora_model(args, folder: str):
     from slidefusion.training.task import OwnModelTask
 
     config = load_config("configs/shapes-small.yaml", [
-        f"run.batch_size={args.batch}", f"run.output_dir={folder}", "run.device=cpu",
+        f"run.batch_size={args.batch}", f"run.output_dir={folder}", f"run.device={args.device}",
         f"data.max_objects={args.objects}", "data.start=uniform", f"optim.lr={args.lr}", "optim.warmup_steps=0"])
-    task = OwnModelTask(config, torch.device("cpu"), Path(folder) / "run", quiet=True)
-    model = task.model
+    task = OwnModelTask(config, torch.device(args.device), Path(folder) / "run", quiet=True)
+    model = task.model.cpu()  # the engine's host copy; the task's latents and text stay on the device
     model.load_state_dict(load_checkpoint(bundled_checkpoint()).sampling_weights)
     lora_lib.add_lora(model, LoraConfig(rank=args.rank, target_modules=TARGETS), tuple(TARGETS))
     model.load_state_dict(lora_lib.initial_lora_weights(model, seed=0), strict=False)
@@ -86,8 +91,9 @@ def lora_model(args, folder: str):
 
 def run(args, model, task, config, frozen_dtype, scales) -> dict:
     model = copy.deepcopy(model)
-    policy = OffloadPolicy(device="cpu", compute_dtype=torch.bfloat16, optim=config.optim, zero_copy=False,
-                           frozen_dtype=frozen_dtype, frozen_scales=scales)
+    policy = OffloadPolicy(device=args.device, compute_dtype=torch.bfloat16, optim=config.optim,
+                           zero_copy=False if args.device == "cpu" else None, frozen_dtype=frozen_dtype,
+                           frozen_scales=scales)
     engine = OffloadEngine(model, model.blocks, policy)
     losses, start = [], time.perf_counter()
     for step in range(args.steps):
@@ -129,8 +135,8 @@ def main(argv=None) -> dict:
             results[mode] = run(args, model, task, config, *MODES[mode])
             print(f"  {mode:<28} tail loss {results[mode]['tail_loss']:.4f}", flush=True)
     anchor = results.get("bf16 base", {}).get("tail_loss")
-    print(f"{args.steps} steps, LoRA rank {args.rank} on the bundled shapes model, bf16 compute, mean loss of the "
-          f"last {args.tail} steps, machine load {os.getloadavg()[0]:.1f}")
+    print(f"{args.steps} steps, LoRA rank {args.rank} on the bundled shapes model, bf16 compute on {args.device}, mean "
+          f"loss of the last {args.tail} steps, machine load {os.getloadavg()[0]:.1f}")
     for mode, r in results.items():
         r["relative_to_bf16_base"] = r["tail_loss"] / anchor - 1 if anchor else None
         rel = f"{r['relative_to_bf16_base']:+.2%} vs bf16 base" if anchor else ""

@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -144,8 +145,8 @@ def main(argv=None) -> dict:
               f"uploads {r['h2d_bytes_per_step'] / 2**20:7.2f} MiB/step  step {r['seconds_per_step']:.2f} s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/fp8_base.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "fp8_base.json").write_text(json.dumps({"command": command.strip(), "args": vars(args), "machine": machine(),
+    command = shlex.join(["python", "benchmarks/fp8_base.py", *(argv if argv is not None else sys.argv[1:])])
+    (out / "fp8_base.json").write_text(json.dumps({"command": command, "args": vars(args), "machine": machine(),
                                                    "results": results}, indent=2))
     plot(results, out / "fp8_base.png", args.tail)
     print(f"wrote {out / 'fp8_base.json'} and {out / 'fp8_base.png'}")

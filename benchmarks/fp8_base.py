@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from slidefusion.offload import OffloadEngine, OffloadPolicy  # noqa: E402
 from slidefusion.training import load_config  # noqa: E402
-from slidefusion.training.finetune.config import LoraConfig  # noqa: E402
+from slidefusion.pretrained.config import LoraConfig  # noqa: E402
 
 MODES = {"bf16 base": (None, "channel"), "fp8 base (channel scales)": (torch.float8_e4m3fn, "channel"),
          "fp8 base (tensor scales)": (torch.float8_e4m3fn, "tensor")}
@@ -75,8 +75,8 @@ def machine() -> dict:
 def lora_model(args, folder: str):
     """The bundled model with LoRA adapters (seeded), and the task that gives each step's loss."""
     from slidefusion.pipeline import bundled_checkpoint
-    from slidefusion.training.checkpoint import load_checkpoint
-    from slidefusion.training.finetune import lora as lora_lib
+    from slidefusion.io.checkpoint import load_checkpoint
+    from slidefusion.pretrained import lora as lora_lib
     from slidefusion.training.task import OwnModelTask
 
     config = load_config("configs/shapes-small.yaml", [

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from slidefusion.adapters import TextConditioning, adapter_for  # noqa: E402
+from slidefusion.families import TextConditioning, adapter_for  # noqa: E402
 from slidefusion.parallel import LinkDelay, ParallelConfig, Tracer, hooks, parallelize, spawn  # noqa: E402
 from slidefusion.parallel.auto import measure_costs  # noqa: E402
 from slidefusion.parallel.comm import Comm  # noqa: E402
@@ -82,7 +82,7 @@ def _outside_blocks_seconds(model, call) -> float:
     """One forward with every block skipped: embedding, conditioning, output head (not split here)."""
     skipped = copy.deepcopy(model)
     for block in adapter_for(skipped).blocks(skipped):
-        hooks.attach(block, lambda module, x, *args, **kwargs: x)
+        hooks.attach(block, "skip", lambda module, call_next, x, *args, **kwargs: x)
     call(skipped)
     start = time.perf_counter()
     for _ in range(3):

@@ -3,7 +3,7 @@
 `from slidefusion import use_slide_attention, restore_attention` (imported on first use, so that
 `import slidefusion` stays cheap)."""
 
-_LAZY = {"use_slide_attention": "slidefusion.processors", "restore_attention": "slidefusion.processors"}
+_LAZY = {"use_slide_attention": "slidefusion.swap", "restore_attention": "slidefusion.swap"}
 
 
 def __getattr__(name: str):

@@ -23,7 +23,7 @@ sys.path.insert(0, "tests/offload")
 from peft import LoraConfig, get_peft_model
 from test_offload_frozen import _model, _loss
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.fp8 import dequantise, quantise
+from slidefusion.offload.engine.fp8 import dequantise, quantise
 from slidefusion.optim import OptimConfig
 
 def lora():

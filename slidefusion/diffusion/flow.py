@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`slidefusion export --format comfyui`: a fine-tune of a Wan folder in the layout ComfyUI loads.
+"""ComfyUI's files for a fine-tune of a Wan folder (`slidefusion export --format comfyui`, whose
+orchestration is `slidefusion.training.finetune.export.export_comfyui`).
 
 A LoRA becomes one file for ComfyUI's LoRA loaders (models/loras). Each adapted module appears under
 its original Wan name with the "diffusion_model." prefix ComfyUI gives the model's own weights:
@@ -26,17 +27,18 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from slidefusion.errors import check
-from slidefusion.io import wan_layout
-from slidefusion.io.layouts import layout_for
+from slidefusion.core.dtypes import short_name
+from slidefusion.core.errors import check
+from slidefusion.io.checkpoint import contiguous_state
+from slidefusion.io.files import atomic_folder
 
-DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _LORA = re.compile(r"^(.+)\.(lora_[AB])\.weight$")
 
 
-def comfyui_lora_state(adapters: dict[str, Tensor], alpha: float, layout=wan_layout) -> dict[str, Tensor]:
+def comfyui_lora_state(adapters: dict[str, Tensor], alpha: float, layout) -> dict[str, Tensor]:
     """diffusers-layout LoRA weights ("blocks.0.attn1.to_q.lora_A.weight", peft's scaling alpha / rank)
-    -> ComfyUI's ("diffusion_model.blocks.0.self_attn.q.lora_A.weight" + ".alpha"), same strength."""
+    -> ComfyUI's ("diffusion_model.blocks.0.self_attn.q.lora_A.weight" + ".alpha"), same strength;
+    `layout`: the family's original-layout module (`ModelAdapter.layout`, e.g. `wan_layout`)."""
     modules: dict[str, dict[str, Tensor]] = {}
     for name, tensor in adapters.items():
         match = _LORA.match(name)
@@ -46,7 +48,7 @@ def comfyui_lora_state(adapters: dict[str, Tensor], alpha: float, layout=wan_lay
     for module, pair in sorted(modules.items()):
         check(set(pair) == {"lora_A", "lora_B"}, f"LoRA module {module} lacks its lora_A or lora_B weight")
         original = layout.original_name(module)
-        check(original is not None, f"LoRA module {module} has no name in the original {layout.FAMILY} layout")
+        check(original is not None, f"LoRA module {module} has no name in the family's original layout")
         key, rank = layout.LORA_PREFIX + original, pair["lora_A"].shape[0]
         down, up = pair["lora_A"], pair["lora_B"]
         if layout.alpha_is_read(original):
@@ -61,32 +63,11 @@ def file_name(run_name: str, folder, expert: str, dtype: torch.dtype | None) -> 
     """See the module docstring: run name, the A14B expert's noise level, the full file's dtype."""
     experts = [e.name for e in folder.experts()]
     noise = "" if len(experts) == 1 else ("_high_noise" if expert == experts[0] else "_low_noise")
-    return f"{run_name}{noise}{'' if dtype is None else '_' + DTYPE_TAGS[dtype]}.safetensors"
+    return f"{run_name}{noise}{'' if dtype is None else '_' + short_name(dtype)}.safetensors"
 
 
-def export_comfyui(source: str | Path, destination: str | Path, dtype: torch.dtype | None = None,
-                   force: bool = False) -> tuple[Path, str]:
-    """Write the ComfyUI form of a Wan fine-tune's checkpoint into the folder `destination`;
-    returns (the file written, what it is). `dtype`: default float32 for a LoRA, bfloat16 for a
-    full fine-tune."""
-    from slidefusion.training.checkpoint import atomic_folder, contiguous_state
-    from slidefusion.training.finetune import lora as lora_lib
-    from slidefusion.training.finetune.export import open_fine_tune
-
-    ckpt, config, folder, weights, destination = open_fine_tune(source, destination, force, "comfyui")
-    expert = config.model.expert
-    layout = layout_for(folder.adapter(expert), "--format comfyui")
-    if config.lora.enabled:
-        adapters = {k: v.float() for k, v in lora_lib.diffusers_lora_state(weights).items()}
-        state = {k: v.to(dtype or torch.float32) for k, v in comfyui_lora_state(adapters, config.lora.scale_alpha,
-                                                                                layout).items()}
-        name, what = file_name(config.run.name, folder, expert, None), "a ComfyUI LoRA (models/loras)"
-    else:
-        dtype = dtype or torch.bfloat16
-        names = layout.to_original(weights)
-        state = {names[k]: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
-        name = file_name(config.run.name, folder, expert, dtype)
-        what = f"a ComfyUI {layout.FAMILY} transformer (models/diffusion_models)"
-    with atomic_folder(destination) as tmp:
+def write_comfyui(destination: Path, name: str, state: dict[str, Tensor]) -> Path:
+    """The folder `destination` holding one file `name` with `state`, written atomically; returns the file."""
+    with atomic_folder(Path(destination)) as tmp:
         save_file(contiguous_state(state), tmp / name, metadata={"format": "pt"})
-    return destination / name, what
+    return Path(destination) / name

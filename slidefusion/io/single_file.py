@@ -1,12 +1,12 @@
 """A single-file transformer (Wan's original layout, as the Wan repository and ComfyUI ship it, or
 a diffusers one) read as the transformer of a diffusers folder.
 
-    entries = single_file_entries(path, adapter)      # the file's tensors under their diffusers names
+    entries = single_file_entries(path, layout, cls)  # the file's tensors under their diffusers names
     check_entries(entries, meta_model, path, root)    # names and shapes against the folder's config
 
 Only the header is read here. Every original name maps to one diffusers name and no tensor changes
 shape, so the conversion is a rename of the header's entries: the tensors then stream one at a time
-(`slidefusion.pretrained.safetensors_io.stream_tensors`, each cast to the dtype asked for), and host
+(`slidefusion.io.safetensors_stream.stream_tensors`, each cast to the dtype asked for), and host
 memory peaks at the converted weights plus one tensor, as for a folder's shards.
 """
 
@@ -17,21 +17,20 @@ from pathlib import Path
 
 from torch import nn
 
-from slidefusion.errors import UserError, check
-from slidefusion.io.layouts import layout_for
-from slidefusion.pretrained.safetensors_io import TensorEntry, read_header
+from slidefusion.core.errors import UserError, check
+from slidefusion.io.safetensors_stream import TensorEntry, read_header
 
 _SCALED_FP8 = ("scale_weight", "scaled_fp8", "weight_scale", "comfy_quant")  # ComfyUI's quantised releases
 
 
-def single_file_entries(path: str | Path, adapter, what: str = "model.transformer") -> list[TensorEntry]:
-    """The tensors of `path` under the diffusers names of `adapter`'s class, in file order; a
-    one-line UserError for a missing file, another format, another family or layout."""
+def single_file_entries(path: str | Path, layout, class_name: str, what: str = "model.transformer") -> list[TensorEntry]:
+    """The tensors of `path` under the diffusers names of `class_name`, in file order; `layout`: the
+    family's original-layout module (`ModelAdapter.layout`). A one-line UserError for a missing file,
+    another format, another family or layout."""
     path = Path(path)
     check(path.is_file(), f"{what}={path} is not a file; give a .safetensors transformer file")
-    check(path.suffix == ".safetensors", f"{what}={path} is not a .safetensors file; valid: a {adapter.family} "
-                                         "transformer in safetensors (GGUF, .pt and .ckpt files are not read)")
-    layout = layout_for(adapter, f"{what}: a single-file transformer")
+    check(path.suffix == ".safetensors", f"{what}={path} is not a .safetensors file; valid: a {class_name} "
+                                         "in safetensors (GGUF, .pt and .ckpt files are not read)")
     try:
         entries = read_header(path)
     except UserError as error:
@@ -42,15 +41,15 @@ def single_file_entries(path: str | Path, adapter, what: str = "model.transforme
     check(scaled is None, f"{what}={path} is a scaled-fp8 release (it holds {scaled}); give the bf16, fp16 or fp32 "
                           "file of the same model")
     kind = layout.layout_of(names)
-    check(kind is not None, f"{what}={path} is not a {adapter.class_name} in {layout.FAMILY}'s original layout or "
-                            f"diffusers' (it holds e.g. {names[0]}); a LoRA, another family's model or a VAE?")
+    check(kind is not None, f"{what}={path} is not a {class_name} in its original layout or diffusers' (it holds "
+                            f"e.g. {names[0]}); a LoRA, another family's model or a VAE?")
     if kind == "diffusers":
         return entries
     renamed = []
     for entry in entries:
         name = layout.diffusers_name(entry.name)
-        check(name is not None, f"{what}={path}: weight {entry.name} has no place in {adapter.class_name} (a "
-                                f"{layout.FAMILY} variant it does not cover, e.g. VACE or Animate?)")
+        check(name is not None, f"{what}={path}: weight {entry.name} has no place in {class_name} (a variant "
+                                "of the family it does not cover, e.g. VACE or Animate?)")
         renamed.append(dataclasses.replace(entry, name=name))
     return renamed
 

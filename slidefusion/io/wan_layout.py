@@ -6,8 +6,8 @@ a "diffusion_model." prefix; diffusers reads it with `WanTransformer3DModel.from
 `load_lora_weights`. Every name maps to exactly one name and no tensor is split, fused or reshaped,
 so a conversion streams one tensor at a time.
 
-Wan facts: the tables below belong with the rest of the family (families/wan.py) once it exists.
-Wan 2.1 (T2V, I2V, FLF2V), Wan 2.2 TI2V and each Wan 2.2 A14B expert share them.
+The tables are kept beside the other file formats; the family's record names this module
+(`ModelAdapter.layout`). Wan 2.1 (T2V, I2V, FLF2V), Wan 2.2 TI2V and each Wan 2.2 A14B expert share them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
-FAMILY = "wan"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # full ComfyUI checkpoints; ComfyUI LoRA names
 LORA_PREFIX = "diffusion_model."
 

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from slidefusion.attention import DenseAttention3d, build_attention
 from slidefusion.attention.tiling import TileRule
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
+from slidefusion.core.grids import token_grid
 from slidefusion.models.config import ModelConfig
 from slidefusion.models.layers import (
     DiTBlock,
@@ -46,12 +47,7 @@ class VideoDiT(nn.Module):
         """The (T', H', W') token grid for latents of `shape` (B, C, T, H, W), or a UserError."""
         if len(shape) != 5 or shape[1] != self.config.in_channels:
             raise UserError(f"latents must be (B, {self.config.in_channels}, T, H, W), got {tuple(shape)}")
-        grid = []
-        for axis, size, patch in zip(("frames", "height", "width"), shape[2:], self.config.patch_size):
-            if size % patch:
-                raise UserError(f"latent {axis}={size} must be a multiple of the patch size {patch}")
-            grid.append(size // patch)
-        return tuple(grid)
+        return token_grid(shape[2:], self.config.patch_size, type(self).__name__)
 
     def embed(self, x: Tensor, t: Tensor, context: Tensor,
               context_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -9,7 +9,7 @@ the self-attention sites. The model facts come from `records.record_for` (the mo
 
 from dataclasses import dataclass
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose
 from slidefusion.parallel.comm import LinkDelay
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.records import AttentionSite, ModelAccess, access_for, model_access, record_for
@@ -58,6 +58,9 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
 )}
 
 
+DEFAULT_TIMEOUT_S = 300.0  # seconds before a collective waiting on a dead or stuck rank fails
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """What a user asks for. `slices`: an int >= 1, "auto", or None for the schedule's default;
@@ -66,12 +69,11 @@ class ParallelConfig:
     schedule: str = "scalefusion"
     slices: int | str | None = None
     cfg_parallel: bool = False
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     link_delay: LinkDelay | None = None
 
     def __post_init__(self):
-        check(self.schedule in SCHEDULES,
-              f"parallel schedule {self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        choose(self.schedule, SCHEDULES, "schedule")
         ok = self.slices in (None, "auto") or (isinstance(self.slices, int) and not isinstance(self.slices, bool)
                                                and 1 <= self.slices <= 64)
         check(ok, f"slices={self.slices!r} must be an int in 1..64 or 'auto'")
@@ -92,7 +94,7 @@ class Plan:
     their kinds, and the attention sites that span ranks under Ulysses (every site but temporal
     ones, which are local when sharded by positions)."""
 
-    family: str
+    model: str  # the model's class name
     adapter: object
     access: ModelAccess
     blocks: list
@@ -114,23 +116,23 @@ def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
     blocks, kinds = adapter.blocks(model), adapter.block_kinds(model)
     unknown = sorted(set(kinds) - set(KIND_LAYOUT))
     check(not unknown, f"blocks of kind {unknown} have no parallel layout; known: {sorted(KIND_LAYOUT)}")
-    plan = Plan(adapter.family, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
+    plan = Plan(adapter.class_name, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
     if not schedule.heads and any(KIND_LAYOUT[k] is None for k in kinds):
-        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {adapter.class_name} "
-                        f"({plan.family}) attends over all tokens at once; valid for {plan.family}: ulysses")
+        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {plan.model} "
+                        f"attends over all tokens at once; valid for {plan.model}: ulysses")
     if schedule.heads:
         modules = [model.get_submodule(site.path) for site in plan.head_sites]
         heads = min(access_for(m).heads(m) for m in modules)  # access_for rejects operators heads cannot split
         if ranks is not None and ranks > heads:
             raise UserError(f"ulysses splits attention heads over ranks: {ranks} ranks > {heads} heads of "
-                            f"{plan.family}; valid: at most {heads} ranks per sequence group")
+                            f"{plan.model}; valid: at most {heads} ranks per sequence group")
     return plan
 
 
 def check_slices(plan: Plan, schedule: Schedule, slices: int | str) -> None:
     """Sliced Ulysses needs full-3D attention (a spatial-temporal model slices by frames instead)."""
     if schedule.heads and isinstance(slices, int) and slices > 1 and not plan.full:
-        raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.family} has spatial/temporal "
+        raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.model} has spatial/temporal "
                         f"blocks; valid: ulysses --slices 1, or scalefusion / scalefusion-inter")
 
 

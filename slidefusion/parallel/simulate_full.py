@@ -14,7 +14,7 @@ configs (WanTransformer3DModel and HunyuanVideoTransformer3DModel defaults, read
 import math
 from dataclasses import asdict, dataclass, replace
 
-from slidefusion.errors import check
+from slidefusion.core.errors import choose
 from slidefusion.parallel.simulate import HARDWARE, FullCosts, Hardware, Link, best_slices, simulate
 
 
@@ -93,7 +93,7 @@ def _row(dims: FullDims, hw: Hardware, gpus: int, per_node: int, cfg: bool, cand
 def full_scenario(name: str, hw: Hardware, gpu_counts=(1, 2, 4, 8, 16, 32), per_node: int = 8,
                   candidates=(1, 2, 4, 8, 16)) -> dict:
     """Ulysses and sliced Ulysses on each GPU count (CFG-parallel too where the model uses CFG)."""
-    check(name in FULL_MODELS, f"full-3D model {name!r} is unknown; valid: {', '.join(FULL_MODELS)}")
+    choose(name, FULL_MODELS, "full-3D model")
     dims = FULL_MODELS[name]
     rows = []
     for gpus in gpu_counts:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
-from slidefusion.pretrained.folder import PretrainedFolder, check_supported, open_folder
-from slidefusion.pretrained.safetensors_io import stream_tensors
+from slidefusion.core.errors import UserError, check
+from slidefusion.pretrained.folder import PretrainedFolder, open_folder
+from slidefusion.io.safetensors_stream import stream_tensors
 
 log = logging.getLogger(__name__)
 
@@ -33,24 +33,21 @@ def _folder(folder: PretrainedFolder | str | Path) -> PretrainedFolder:
 
 
 def transformer_class(folder: PretrainedFolder | str | Path, name: str = "transformer") -> type[nn.Module]:
-    """The diffusers class config.json names (a supported one, or a UserError)."""
+    """The diffusers class config.json names (`open_folder` checked that it is a supported one)."""
     import diffusers
 
-    folder = _folder(folder)
-    class_name = folder.transformer_config(name).get("_class_name")
-    check_supported(class_name, folder.root)
-    return getattr(diffusers, class_name)
+    return getattr(diffusers, _folder(folder).transformer_config(name)["_class_name"])
 
 
 def build_on_meta(folder: PretrainedFolder | str | Path, name: str = "transformer") -> nn.Module:
     """The transformer built from config.json with every parameter on the meta device (no memory);
     buffers computed at construction (RoPE tables, position tables) are real, as in diffusers. A
     transformer saved with slide attention is swapped as it was saved (its offset networks on meta
-    too; `slidefusion.processors.persist`)."""
+    too; `slidefusion.swap.persist`)."""
     from accelerate import init_empty_weights
 
-    from slidefusion.processors import use_slide_attention
-    from slidefusion.processors.persist import saved_options, without_options
+    from slidefusion.swap import use_slide_attention
+    from slidefusion.swap.persist import saved_options, without_options
 
     folder = _folder(folder)
     cls = transformer_class(folder, name)

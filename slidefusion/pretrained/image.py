@@ -1,13 +1,13 @@
 """Image-to-video conditioning, built as the family's own image-to-video pipeline builds it.
 
-Wan facts (they belong with the rest of the family, families/wan.py, once it exists); two modes:
+The family's record says which pipeline and which mode (`ModelAdapter.image_to_video`); two modes:
   "channels"     Wan 2.1 I2V (the transformer has an image projection, `image_dim`): the image's CLIP
                  vision states (penultimate layer) feed the cross-attention's image keys, and the VAE
                  latents of [image, zero frames] behind a 4-channel mask (1 on the first frame) are
                  stacked beside the noisy latents on every call.
   "first-frame"  Wan 2.2 TI2V (`expand_timesteps`): the image's latents stand in for the first latent
                  frame, whose tokens get timestep 0; the sampled first frame is the condition's.
-`WanImageToVideoPipeline`'s own `encode_image` and `prepare_latents` build both, so a seed samples
+The image-to-video pipeline's own `encode_image` and `prepare_latents` build both, so a seed samples
 what that pipeline samples.
 
     mode = image_mode(folder)                            # None for a text-to-video model
@@ -22,21 +22,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 MODES = ("channels", "first-frame")
-I2V_PIPELINE = "WanImageToVideoPipeline"
 
 
 def image_mode(folder, name: str = "transformer") -> str | None:
     """How the folder's transformer takes an image (see the module docstring), or None (text only);
     from its config files alone."""
-    config = folder.transformer_config(name)
-    if folder.adapter(name).family != "wan":
+    adapter = folder.adapter(name)
+    if adapter.image_to_video is None:
         return None
-    if config.get("image_dim") is not None or int(config.get("in_channels", 0)) != int(config.get("out_channels") or 0):
-        return "channels"
-    return "first-frame" if folder.adapter(name).options["expand_timesteps"] else None
+    return adapter.image_to_video.mode(folder.transformer_config(name), adapter.options)
 
 
 def check_image_use(folder, given: bool, what: str = "--image") -> str | None:
@@ -51,7 +48,7 @@ def check_image_use(folder, given: bool, what: str = "--image") -> str | None:
     if mode == "channels":
         for component in ("image_encoder", "image_processor"):
             check(component in folder.components(), f"{folder.root} is a Wan 2.1 I2V model without its {component}/; "
-                                                    "valid: a WanImageToVideoPipeline folder")
+                                                    f"valid: a {folder.adapter().image_to_video.pipeline} folder")
     return mode
 
 
@@ -69,11 +66,11 @@ def open_image(path: str | Path, what: str = "--image"):
 
 
 def image_pipeline(parts):
-    """`WanImageToVideoPipeline` around the folder's components (no transformer): its own code
-    encodes the image and prepares the condition latents."""
+    """The family's image-to-video pipeline around the folder's components (no transformer): its own
+    code encodes the image and prepares the condition latents."""
     import diffusers
 
-    cls = getattr(diffusers, I2V_PIPELINE)
+    cls = getattr(diffusers, parts.adapter.image_to_video.pipeline)
     pipe = cls(tokenizer=parts.tokenizer, text_encoder=parts.text_encoder, vae=parts.vae, scheduler=parts.scheduler,
                image_processor=parts.image_processor, image_encoder=parts.image_encoder, transformer=None,
                expand_timesteps=bool(parts.adapter.options["expand_timesteps"]))
@@ -86,7 +83,7 @@ def image_condition(parts, image, noise: Tensor, frames: int, height: int, width
                     ) -> tuple[Tensor | None, Tensor]:
     """(CLIP states (B, L, D) or None, latent conditioning: (B, 4 + C, T, H, W) in "channels" mode,
     (B, C, 1, H, W) in "first-frame" mode) of `image` for noise (B, C, T, H, W), float32 on the VAE's
-    device, as `WanImageToVideoPipeline.__call__` builds them for one image."""
+    device, as the image-to-video pipeline's `__call__` builds them for one image."""
     mode = image_mode(parts.folder)
     check(mode is not None, f"{parts.folder.root} takes no image")
     pipe = image_pipeline(parts)

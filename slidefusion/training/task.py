@@ -9,6 +9,8 @@ loss as a function of the model (`loss_fn`), and says which weights a checkpoint
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -18,9 +20,10 @@ from slidefusion import memory
 from slidefusion.data import build_dataset
 from slidefusion.data.shapes import DIRECTIONS, with_other_direction
 from slidefusion.diffusion import contrastive_flow_loss, flow_loss
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model
-from slidefusion.offload.training import offload_optimizer
+from slidefusion.offload import OffloadEngine, OffloadPolicy, Workload, engine_blocks, fitting_policy
+from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
 from slidefusion.text import CaptionCache, build_text_encoder
 from slidefusion.vae import build_autoencoder
 
@@ -64,6 +67,18 @@ class ResidentOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int], shape: ModelShape) -> OffloadPolicy:
+    """The engine's policy: the `offload:` section with the run's device, the `optim:` section and lora's fp8 base,
+    its `auto` values resolved against `model` (meta is enough) with `blocks` (the engine's, in call
+    order) and one step of `grid` (T, H, W), or the planner's one-line refusal. `shape`: the widths
+    the activations scale with."""
+    policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim,
+                                 frozen_dtype=config.lora.base_torch_dtype, frozen_scales=config.lora.base_scales)
+    attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
+    work = Workload(batch=config.run.batch_size, tokens=math.prod(grid), attention=attention, frames=grid[0])
+    return fitting_policy(model, blocks, policy, shape, work)
 
 
 def data_options(data) -> dict:
@@ -132,8 +147,12 @@ class OwnModelTask:
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, "cpu" if offload else device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        self.optimizer = (offload_optimizer(self.model, config, grid) if offload
-                          else ResidentOptimizer(self.model, config.optim))
+        if offload:
+            blocks = engine_blocks(self.model)
+            policy = offload_policy(config, self.model, blocks, grid, shape_of_config(config.model))
+            self.optimizer = OffloadEngine(self.model, blocks, policy)
+        else:
+            self.optimizer = ResidentOptimizer(self.model, config.optim)
 
     def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
         """A batch of clips (B, 3, T, H, W) and captions, some dropped to "" for CFG."""

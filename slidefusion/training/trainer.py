@@ -23,10 +23,12 @@ from tqdm.auto import tqdm
 
 from slidefusion import validate
 from slidefusion.errors import NonFiniteError, UserError
+from slidefusion.io.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, save_checkpoint
+from slidefusion.io.files import write_text
 from slidefusion.training import optimizer_state
-from slidefusion.training.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, load_matching, save_checkpoint
 from slidefusion.training.config import OptimConfig, TrainConfig, build
 from slidefusion.training.run_folder import RunLock, remove_stale_temporaries, truncate_metrics
+from slidefusion.training.weights import load_matching
 from slidefusion.training.task import OwnModelTask, ResidentOptimizer  # noqa: F401  (ResidentOptimizer: re-exported)
 
 
@@ -119,9 +121,7 @@ class Trainer:
                                 "continue it with --resume latest, or choose another run.name (nothing was changed)")
             self._continues = True
         truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        tmp = self.run_dir / ".config.json.tmp"
-        tmp.write_text(json.dumps(self.config.to_dict(), indent=2))
-        tmp.replace(self.run_dir / "config.json")
+        write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2))
 
     # -- starting points ------------------------------------------------------------------------
 

@@ -139,14 +139,14 @@ def test_a14b_experts_get_the_names_comfyui_workflows_load(tiny_wan_variant_dir,
 
 def test_comfyui_export_refuses_what_it_cannot_write(tiny_pipeline_dir, tmp_path, capsys):
     from slidefusion.training import load_config
-    from slidefusion.training.checkpoint import save_checkpoint
+    from slidefusion.io.checkpoint import save_checkpoint
 
     def checkpoint(name, folder, *overrides):
         config = load_config("configs/wan-finetune.yaml", [f"model.pretrained={folder}", *overrides])
         return save_checkpoint(tmp_path / name, 1, config.to_dict(), {"x": torch.zeros(1)})
 
     cases = [
-        (checkpoint("cog", tiny_pipeline_dir("cogvideox")), [], "has no layout for CogVideoXTransformer3DModel (cogvideox); supported: wan"),
+        (checkpoint("cog", tiny_pipeline_dir("cogvideox")), [], "has no layout for CogVideoXTransformer3DModel; supported: WanTransformer3DModel"),
         (checkpoint("wan", tiny_pipeline_dir("wan")), ["--max-shard-size", "1MB"], "applies to --format diffusers only"),
         (checkpoint("slide", tiny_pipeline_dir("wan"), "model.attention=slide"), [], "cannot hold slide attention"),
     ]

@@ -30,14 +30,15 @@ def _latents(out, *source):
 def test_an_original_layout_file_samples_fine_tunes_and_exports_back(tiny_wan_dir, tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from slidefusion.pretrained import load_transformer, open_folder
+    from slidefusion.pretrained import load_transformer
+    from slidefusion.pretrained.source import open_folder_with
 
     run = train(tiny_wan_dir, tmp_path, "full", steps=1)
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "comfy"), "--format", "comfyui",
                  "--dtype", "float32"]) == 0
     file = tmp_path / "comfy" / "full_fp32.safetensors"
     trained = load_file(run / "checkpoint-1" / "model.safetensors")
-    loaded = load_transformer(open_folder(tiny_wan_dir, file)).state_dict()
+    loaded = load_transformer(open_folder_with(tiny_wan_dir, file)).state_dict()
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
 
     ours = _latents(tmp_path / "file", "--pretrained", str(tiny_wan_dir), "--transformer", str(file))
@@ -61,10 +62,11 @@ def test_an_original_layout_file_samples_fine_tunes_and_exports_back(tiny_wan_di
 # ---------------------------------------------------------------- peak host memory
 _MEASURE = textwrap.dedent("""
     import gc, json, sys, torch
-    from slidefusion.pretrained import build_on_meta, load_transformer, open_folder
+    from slidefusion.pretrained import build_on_meta, load_transformer
+    from slidefusion.pretrained.source import open_folder_with
     from slidefusion.testing.rss import reset_peak_rss, status_kib as kb
 
-    folder = open_folder(sys.argv[1], sys.argv[2])  # checks the file's header against the config
+    folder = open_folder_with(sys.argv[1], sys.argv[2])  # checks the file's header against the config
     build_on_meta(folder)
     gc.collect()
     assert reset_peak_rss()
@@ -128,8 +130,8 @@ def _files(tmp_path, tiny_wan_dir):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("cog", "is not a WanTransformer3DModel in wan's original layout or diffusers'"),
-    ("lora", "is not a WanTransformer3DModel in wan's original layout or diffusers'"),
+    ("cog", "is not a WanTransformer3DModel in its original layout or diffusers'"),
+    ("lora", "is not a WanTransformer3DModel in its original layout or diffusers'"),
     ("wide", "in the file but (16,) in the transformer config of"),
     ("i2v", "holds 18 weight(s) the transformer config of"),
     ("text", "is not a valid safetensors file"),
@@ -155,4 +157,4 @@ def test_model_transformer_for_a_family_without_an_original_layout_is_one_line(t
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "model.transformer: a single-file transformer has no layout for CogVideoXTransformer3DModel" in err
-    assert "supported: wan" in err and err.count("\n") == 1
+    assert "supported: WanTransformer3DModel" in err and err.count("\n") == 1

@@ -9,10 +9,10 @@ from peft import LoraConfig, get_peft_model
 from test_offload_frozen import _loss, _model, _policy, _resident
 
 from slidefusion.cli import main
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.offload import OffloadEngine
-from slidefusion.offload.footprint import engine_plan
-from slidefusion.offload.fp8 import FrozenCodes, dequantise, quantise
+from slidefusion.offload.plan.footprint import engine_plan
+from slidefusion.offload.engine.fp8 import FrozenCodes, dequantise, quantise
 from slidefusion.testing.delays import inject_delays
 
 FP8 = torch.float8_e4m3fn
@@ -93,7 +93,7 @@ def test_the_host_state_and_the_uploads_halve_and_the_planner_says_so():
 
 
 def test_frozen_codes_write_whole_parameters_and_decode_in_place():
-    from slidefusion.offload.layout import Entry
+    from slidefusion.offload.engine.layout import Entry
 
     entries = [Entry("a", (4, 6), 10, 24), Entry("b", (5,), 34, 5)]
     codes = FrozenCodes(entries, 10, FP8, "channel", lambda n, dtype, dma: torch.empty(n, dtype=dtype))
@@ -116,8 +116,8 @@ def test_policy_and_config_refuse_what_an_fp8_base_cannot_do(monkeypatch, tmp_pa
             "data.frames=5", "data.height=48", "data.width=80", "run.device=cpu", f"run.output_dir={tmp_path}", "--quiet"]
     cases = [
         (["lora.base_dtype=float8_e4m3fn"], "lora.base_dtype=float8_e4m3fn stores a LoRA run's frozen base; set lora.rank"),
-        (["lora.rank=4", "lora.base_dtype=int4"], "lora.base_dtype='int4' is unknown; valid: null (the compute dtype), "
-                                                  "float8_e4m3fn, float8_e5m2"),
+        (["lora.rank=4", "lora.base_dtype=int4"], "lora.base_dtype='int4' is unknown; valid: None, float8_e4m3fn, "
+                                                  "float8_e5m2"),
         (["lora.rank=4", "lora.base_dtype=float8_e4m3fn"], "add --offload, or drop lora.base_dtype"),
         (["lora.rank=4", "lora.base_scales=row"], "lora.base_scales='row' is unknown; valid: channel, tensor"),
     ]
@@ -129,7 +129,7 @@ def test_policy_and_config_refuse_what_an_fp8_base_cannot_do(monkeypatch, tmp_pa
     def no_fp8(*args, **kwargs):  # a device whose torch build cannot cast float8
         raise RuntimeError("\"copy_\" not implemented for 'Float8_e4m3fn'")
 
-    monkeypatch.setattr("slidefusion.offload.fp8.torch.ones", no_fp8)
+    monkeypatch.setattr("slidefusion.offload.engine.fp8.torch.ones", no_fp8)
     assert main([*base, "lora.rank=4", "lora.base_dtype=float8_e4m3fn", "--offload"]) == 2
     err = capsys.readouterr().err
     assert "lora.base_dtype=float8_e4m3fn is not supported on cpu" in err and err.count("\n") == 1, err

@@ -10,13 +10,13 @@ from functools import partial
 import pytest
 import torch
 
-from slidefusion.adapters import adapter_for
+from slidefusion.families import adapter_for
 from slidefusion.errors import UserError
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.tile_runner import tile_blocks, untile_blocks
-from slidefusion.offload.training import engine_blocks
+from slidefusion.offload.tiling.tile_runner import tile_blocks, untile_blocks
+from slidefusion.offload import engine_blocks
 from slidefusion.optim import OptimConfig
-from slidefusion.processors import use_slide_attention
+from slidefusion.swap import use_slide_attention
 from slidefusion.testing.tiny import tiny_latents, tiny_model, tiny_text
 
 # case -> (tiny family, adapter options, one timestep per token); tokens per frame: Wan patches 1x2x2, LTX 1x1x1

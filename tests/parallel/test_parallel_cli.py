@@ -71,9 +71,9 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MAS
 
 
 @pytest.mark.parametrize("model, extra, env, message", [
-    ("dit3d-tiny", ["--parallel", "dsp"], {}, "valid for dit3d: ulysses"),
-    ("dit3d-tiny", ["--parallel", "scalefusion", "--slices", "2"], {}, "valid for dit3d: ulysses"),
-    ("dit3d-tiny", ["--parallel", "ulysses"], TORCHRUN_ENV, "3 ranks > 2 heads of dit3d"),
+    ("dit3d-tiny", ["--parallel", "dsp"], {}, "valid for DiT3D: ulysses"),
+    ("dit3d-tiny", ["--parallel", "scalefusion", "--slices", "2"], {}, "valid for DiT3D: ulysses"),
+    ("dit3d-tiny", ["--parallel", "ulysses"], TORCHRUN_ENV, "3 ranks > 2 heads of DiT3D"),
     ("dit3d-tiny", ["--parallel", "ulysses", "--cfg-parallel"], TORCHRUN_ENV, "cfg_parallel needs an even number"),
     ("stdit-tiny", ["--parallel", "ulysses", "--slices", "2"], {}, "ulysses --slices 2 slices full-3D attention"),
     ("stdit-tiny", ["--parallel", "dsp", "--slices", "4"], {}, "does not apply to the dsp schedule"),

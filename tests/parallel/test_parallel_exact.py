@@ -65,13 +65,13 @@ def cases(world):
 
 def expected_error(name: str, world: int) -> str | None:
     if name == "dsp/dit3d":
-        return "valid for dit3d: ulysses"
+        return "valid for DiT3D: ulysses"
     if name == "wan/dsp":
-        return "WanTransformer3DModel (wan) attends over all tokens at once; valid for wan: ulysses"
+        return "WanTransformer3DModel attends over all tokens at once; valid for WanTransformer3DModel: ulysses"
     if name == "sliced/stdit":
         return "ulysses --slices 2 slices full-3D attention"
     if name == "ulysses/dit3d-2-heads" and world > 2:
-        return f"{world} ranks > 2 heads of dit3d"
+        return f"{world} ranks > 2 heads of DiT3D"
     if "cfg/" in name and world % 2:
         return "cfg_parallel needs an even number of ranks"
     return None
@@ -104,7 +104,7 @@ def test_every_schedule_equals_one_process(world, references):
 
 
 def test_plan_rejects_what_cannot_run():
-    with pytest.raises(UserError, match="valid for dit3d: ulysses"):
+    with pytest.raises(UserError, match="valid for DiT3D: ulysses"):
         plan_for(random_model("dit3d-tiny"), SCHEDULES["scalefusion"])
     with pytest.raises(UserError, match="3 ranks > 2 heads"):
         plan_for(random_model("dit3d-tiny"), SCHEDULES["ulysses"], ranks=3)
@@ -114,14 +114,14 @@ def test_plan_rejects_what_cannot_run():
         ParallelConfig("dsp", 4)
     with pytest.raises(UserError, match="valid: dsp, ulysses, scalefusion, scalefusion-inter"):
         ParallelConfig("ring")
-    supported = "supported: DiT3D, STDiT, WanTransformer3DModel, LatteTransformer3DModel"
+    supported = "supported: DiT3D, STDiT, LatteTransformer3DModel, WanTransformer3DModel"
     with pytest.raises(UserError, match=f"model class Linear has no parallel plan; {supported}"):
         plan_for(torch.nn.Linear(2, 2), SCHEDULES["ulysses"])
     with pytest.raises(UserError, match=f"model class CogVideoXTransformer3DModel has no parallel plan; {supported}"):
         plan_for(tiny_model("cogvideox"), SCHEDULES["ulysses"])
-    with pytest.raises(UserError, match="valid for wan: ulysses"):
+    with pytest.raises(UserError, match="valid for WanTransformer3DModel: ulysses"):
         plan_for(tiny_model("wan"), SCHEDULES["scalefusion"])
-    with pytest.raises(UserError, match="3 ranks > 2 heads of wan"):
+    with pytest.raises(UserError, match="3 ranks > 2 heads of WanTransformer3DModel"):
         plan_for(tiny_model("wan"), SCHEDULES["ulysses"], ranks=3)
     slide = build_model(preset("dit3d-tiny", attention="slide", attention_options={"kernel_size": [1, 3, 3]}))
     with pytest.raises(UserError, match="cannot split SlideAttention3d by heads"):

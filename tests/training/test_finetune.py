@@ -179,7 +179,7 @@ def test_bf16_offloaded_tracks_resident_under_autocast(tiny_pipeline_dir, tmp_pa
 
 
 def test_an_offload_plan_that_does_not_fit_is_refused_before_any_cache(tiny_pipeline_dir, tmp_path, monkeypatch, capsys):
-    import slidefusion.offload.training as seam
+    import slidefusion.offload.plan.resolve as seam
     from slidefusion.errors import UserError
 
     def refuse(plan):

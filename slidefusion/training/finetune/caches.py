@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from slidefusion.adapters import TextConditioning
-from slidefusion.errors import UserError
+from slidefusion.families import TextConditioning
+from slidefusion.core.errors import UserError
 
 FORMAT = "slidefusion.finetune_cache/1"
 

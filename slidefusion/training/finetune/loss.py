@@ -23,9 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from slidefusion.adapters import ModelAdapter, TextConditioning
+from slidefusion.families import ModelAdapter, TextConditioning
 from slidefusion.diffusion.flow import FlowConfig, sample_timesteps
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 
 class FolderObjective:

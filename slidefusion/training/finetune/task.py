@@ -30,33 +30,32 @@ import torch
 from torch import nn
 
 from slidefusion import memory
-from slidefusion.errors import UserError, check
-from slidefusion.offload.shapes import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
-from slidefusion.offload.spill import check_spill_dir
-from slidefusion.offload.tile_runner import check_tileable, tiling_refusal
-from slidefusion.offload import OffloadEngine
-from slidefusion.offload.fp8 import check_device
+from slidefusion.core.errors import UserError, check
+from slidefusion.offload import OffloadEngine, engine_blocks
+from slidefusion.offload.engine.fp8 import check_device
+from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
+from slidefusion.offload.tiling.tile_runner import tiling_refusal
+from slidefusion.pretrained import lora as lora_lib
 from slidefusion.pretrained.image import check_image_use, image_mode
-from slidefusion.offload.training import engine_blocks, fitting_policy
-from slidefusion.processors import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
-from slidefusion.training.finetune import lora as lora_lib
+from slidefusion.swap import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
-from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch
+from slidefusion.training.task import ResidentOptimizer, dataset_of, draw_batch, offload_policy
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
 
 
-def model_shape(model: nn.Module, adapter, attention: str) -> ModelShape:
-    """What the offload planner needs of a diffusers transformer (built on meta is enough)."""
-    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in adapter.blocks(model))
+def model_shape(model: nn.Module, adapter, blocks, attention: str) -> ModelShape:
+    """What the offload planner needs of a diffusers transformer (built on meta is enough) whose
+    blocks in call order are `blocks`."""
+    counts = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     hidden = heads * int(cfg.attention_head_dim)
     ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
-    rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return ModelShape(adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
+    rest = sum(p.numel() for p in model.parameters()) - sum(counts)
+    return ModelShape(adapter.class_name, counts, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
                       tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
@@ -71,6 +70,28 @@ def dataset_caption(dataset, index: int) -> str:
     return dataset[index]["caption"]
 
 
+def slide_for_grid(cfg, grid: tuple[int, int, int]):
+    """The swap's options (None: dense); a window wider than the run's token `grid` builds its offset
+    network for that grid (recorded as model.attention_options.grid, so checkpoints rebuild the same
+    model)."""
+    slide = cfg.slide
+    if slide is not None and slide.grid is None and any(k > n for k, n in zip(slide.kernel_size, grid)):
+        cfg.attention_options["grid"] = list(grid)
+        slide = cfg.slide
+    return slide
+
+
+def checked_image_mode(folder, config) -> str | None:
+    """The folder's image mode (None: text-to-video), after the checks that go with it."""
+    mode = image_mode(folder, config.model.expert)
+    check(mode is not None or not config.diffusion.image_dropout,
+          f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video folders; "
+          f"{config.model.pretrained} is text-to-video: set it to 0")
+    if mode is not None:
+        check_image_use(folder, True, "model.pretrained")  # a Wan 2.1 I2V folder has its image encoder
+    return mode
+
+
 class FolderTask:
     """See the module docstring. Steps 2 and 3 wait for `prepare()` (the trainer calls it once the run
     goes ahead: after --resume checked its checkpoint), so bad input costs no cache. Attributes the
@@ -79,64 +100,47 @@ class FolderTask:
     lazy = True
 
     def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
-        from slidefusion.pretrained import build_on_meta, folder_adapter, latent_shape, load_scheduler, open_folder
-        from slidefusion.pretrained.folder import read_json
+        from slidefusion.pretrained.source import open_source
 
-        self.config, self.device, cfg = config, device, config.model
+        self.config, self.device, cfg, data = config, device, config.model, config.data
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
-        self.folder = folder = open_folder(cfg.pretrained, cfg.transformer, cfg.expert)
-        check(folder.is_pipeline, f"model.pretrained={cfg.pretrained} is a bare transformer folder; training needs a "
-                                  "pipeline folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
-        check(cfg.expert in folder.transformer_names, f"model.expert={cfg.expert} is not in {folder.root}; valid: "
-                                                      f"{', '.join(folder.transformer_names)}")
-        vae_config = read_json(folder.component_dir("vae") / "config.json", "VAE config")
-        self.adapter = adapter = folder_adapter(folder, vae_config, cfg.expert)
-        meta = build_on_meta(folder, cfg.expert)
-        folder.weight_entries(cfg.expert)  # every shard there, before anything is cached
-        data = config.data
-        try:
-            self.latent = latent_shape(adapter, meta, vae_config, data.frames, data.height, data.width)[1:]
-        except UserError as error:
-            raise UserError(f"data.frames/height/width: {error}") from None
-        self.grid = adapter.token_grid(meta, (1, *self.latent))
-        self.image_mode = image_mode(folder, cfg.expert)
-        check(self.image_mode is not None or not config.diffusion.image_dropout,
-              f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video folders; "
-              f"{cfg.pretrained} is text-to-video: set it to 0")
-        if self.image_mode is not None:
-            check_image_use(folder, True, "model.pretrained")  # a Wan 2.1 I2V folder has its image encoder
+        source = open_source(cfg.pretrained, cfg.expert, data.frames, data.height, data.width, cfg.transformer)
+        self.folder, self.adapter, self.latent, self.grid = source.folder, source.adapter, source.latent, source.grid
+        meta = source.meta
+        self.image_mode = checked_image_mode(self.folder, config)
         check(slide_attention_handle(meta) is None, f"model.pretrained={cfg.pretrained}: its {cfg.expert} was saved "
               "with slide attention; fine-tuning a saved slide-attention model again is not supported: resume the "
               "run that trained it, or sample it with generate --pretrained")
-        self.slide = self._slide_options(cfg)
+        self.slide = slide_for_grid(cfg, self.grid)
         self._adapt(meta)
         if not quiet:
             self._say_window()
-        expert = next(e for e in folder.experts() if e.name == cfg.expert)
-        ranged = None if len(folder.experts()) == 1 else (expert.low, expert.high)
-        self.objective = FolderObjective(adapter, load_scheduler(folder), config.diffusion, ranged)
-        if config.offload.enabled and isinstance(config.offload.tile, int):  # before any cache is written
-            check_tileable(meta, adapter.blocks(meta), config.offload.tile)
-        if config.offload.enabled and config.offload.spill_dir is not None:
-            check_spill_dir(config.offload.spill_dir)
+        self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
         check(config.lora.base_dtype is None or config.offload.enabled,
               f"lora.base_dtype={config.lora.base_dtype} stores the frozen base on the host for the offload engine; "
               "add --offload, or drop lora.base_dtype")
-        self.policy = None
-        if config.offload.enabled:  # the planner's refusal now, not after the caches; the engine takes this plan
-            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
-            self.policy = fitting_policy(meta, config, self.grid, model_shape(meta, adapter, attention))
-            if self.policy.frozen_dtype is not None:  # before any cache: a device without fp8 casts says so now
-                check_device(self.policy.frozen_dtype, self.policy.torch_device, self.policy.compute_dtype)
-        else:
-            params = sum(p.numel() for p in meta.parameters())
-            memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
-                              "training resident", "train with --offload, or use lora.rank")
+        self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
         self.dataset = dataset_of(data)
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
         self.run_dir, self.quiet = run_dir, quiet
         self.model, self.optimizer, self.cache = meta, None, None
+
+    def _fit(self, meta: nn.Module, device: torch.device):
+        """The engine's resolved policy with --offload (the engine takes this plan), else the resident
+        memory check; None when resident."""
+        if self.config.offload.enabled:
+            attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
+            self.blocks = engine_blocks(meta, self.adapter)  # what the engine will stream: `prepare` builds it on these
+            shape = model_shape(meta, self.adapter, self.blocks, attention)
+            policy = offload_policy(self.config, meta, self.blocks, self.grid, shape)
+            if policy.frozen_dtype is not None:  # before any cache: a device without fp8 casts says so now
+                check_device(policy.frozen_dtype, policy.torch_device, policy.dtype)
+            return policy
+        params = sum(p.numel() for p in meta.parameters())
+        memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
+                          "training resident", "train with --offload, or use lora.rank")
+        return None
 
     def prepare(self) -> None:
         """The caches, then the transformer and its optimizer (see the module docstring)."""
@@ -193,15 +197,6 @@ class FolderTask:
                 if is_offset_weight(name):
                     param.requires_grad_(True)
 
-    def _slide_options(self, cfg):
-        """The swap's options; a window wider than the run's token grid builds its offset network for
-        that grid (recorded as model.attention_options.grid, so checkpoints rebuild the same model)."""
-        slide = cfg.slide
-        if slide is not None and slide.grid is None and any(k > n for k, n in zip(slide.kernel_size, self.grid)):
-            cfg.attention_options["grid"] = list(self.grid)
-            slide = cfg.slide
-        return slide
-
     def _slide_init(self, model: nn.Module) -> dict:
         return slide_offset_weights(model, self.config.run.seed) if self.slide is not None else {}
 
@@ -221,7 +216,7 @@ class FolderTask:
         from slidefusion.pretrained import iter_weights
 
         model = self.model
-        engine = OffloadEngine(model, engine_blocks(model), self.policy)
+        engine = OffloadEngine(model, self.blocks, self.policy)
         names = lora_lib.folder_names(model)
         skipped = []
 

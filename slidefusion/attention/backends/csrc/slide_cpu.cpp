@@ -39,10 +39,11 @@
 #include <unistd.h>
 #endif
 
-// Without -march=native (the build is cached and may be shared between machines), the hot loops are
-// compiled several times, for AVX-512, AVX2+FMA and baseline x86-64, and the loader picks the best
-// the CPU has (GCC's target_clones). Everything they call is forced inline (no lambdas, which GCC
-// would compile once, for the baseline) so it is compiled for that target too.
+// The library is compiled for the CPU that builds it (-march=native; the build's cache name includes
+// the CPU, see slidefusion/core/native.py). The hot loops are also compiled for AVX-512, AVX2+FMA and
+// baseline x86-64, and the loader picks the best the CPU has (GCC's target_clones). Everything they
+// call is forced inline (no lambdas, which GCC would compile once, for the default) so it is compiled
+// for that target too.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SLIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define SLIDE_INLINE inline __attribute__((always_inline))
@@ -543,9 +544,9 @@ void run_backward(const Geometry& g, const Ptrs<T>& x, torch::Tensor& dk, torch:
 }
 
 // Fresh output buffers are first touched here, one page fault per 4 KiB (the per-sample offsets'
-// gradient is 115 MB at 16x32x32, 3x7x7, 4 heads: ~20 ms of faults). Asking for transparent huge
-// pages on the large ones makes that ~500 times fewer faults; it is only a hint, harmless where
-// THP is off.
+// gradient holds heads x K x 3 values per token: hundreds of MB for a mid-sized clip). Asking for
+// transparent huge pages (2 MiB) on the large ones makes 512 times fewer faults; it is only a hint,
+// harmless where THP is off.
 torch::Tensor huge_pages(torch::Tensor t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

@@ -1,0 +1,120 @@
+"""`slidefusion plan`: the memory planner on the command line. Its policy flags set the fields of the
+same `OffloadPolicy` a config's `offload:` section does (`--resident-blocks auto` is
+`offload.resident_blocks=auto`), checked by the policy itself."""
+
+import argparse
+import dataclasses
+
+import yaml
+
+from slidefusion.cli import args as types
+from slidefusion.errors import UserError
+from slidefusion.offload.policy import MASTERS, MOMENTS, ROUNDINGS, OffloadPolicy
+
+# The policy's fields the planner takes as flags (--resident-blocks sets offload.resident_blocks, ...).
+POLICY_FLAGS = {
+    "compute_dtype": "the streamed copy's dtype (offload.compute_dtype; default auto: bfloat16 on a GPU)",
+    "master": "master weights on the host: fp32 or bf16 (offload.master)",
+    "moments": "AdamW moments on the host: fp32, bf16 or int8 (offload.moments)",
+    "rounding": "bf16 master: stochastic or kahan (offload.rounding)",
+    "resident_blocks": "blocks kept on the device: N or auto (offload.resident_blocks)",
+    "tile": "frames of the token grid per tile inside a block: N, auto or off (offload.tile; default auto: whole "
+            "blocks if they fit, else the largest tile that does)",
+    "prefetch": "blocks uploading ahead (offload.prefetch; default 1)",
+}
+CHOICES = {"master": MASTERS, "moments": MOMENTS, "rounding": ROUNDINGS}
+PLAN_DEFAULTS = {"tile": "auto"}  # the planner sizes a tile when whole blocks do not fit; the config's default is off
+
+DEFAULT_PCIE, DEFAULT_TFLOPS = "55GB/s", 990.0  # an H200 on PCIe 5 x16
+
+
+def add_parser(subparsers) -> None:
+    plan = subparsers.add_parser("plan", help="memory plan of offloaded training: does it fit, how fast")
+    plan.add_argument("--model", required=True, metavar="PRESET|DIR", type=types.text,
+                      help="a preset (wan2.1-1.3b, wan2.1-14b, dit3d-105b, ...) or a diffusers transformer folder")
+    plan.add_argument("--frames", type=types.positive_int, required=True, help="video frames (pixels)")
+    plan.add_argument("--height", type=types.positive_int, required=True, help="video height in pixels")
+    plan.add_argument("--width", type=types.positive_int, required=True, help="video width in pixels")
+    plan.add_argument("--attention", choices=["dense", "flash", "window", "slide"],
+                      help="self-attention operator (default: the model's own; Wan: flash)")
+    plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB", help="device memory (default 141GB, an H200)")
+    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", help="host memory (default 1.5TB)")
+    plan.add_argument("--pcie", type=types.bandwidth, default=DEFAULT_PCIE, help=f"host<->device bandwidth (default {DEFAULT_PCIE})")
+    plan.add_argument("--tflops", type=types.number(0, low_open=True), default=DEFAULT_TFLOPS,
+                      help=f"dense bf16 TFLOP/s of the device (default {DEFAULT_TFLOPS:g}, an H200)")
+    plan.add_argument("--host-bandwidth", type=types.bandwidth, default="20GB/s",
+                      help="host memory bandwidth of the optimizer threads (default 20GB/s)")
+    for key, help_ in POLICY_FLAGS.items():  # each sets the OffloadPolicy field of its name, as offload.KEY=VALUE does
+        default = PLAN_DEFAULTS.get(key, getattr(OffloadPolicy(), key))
+        if key in CHOICES:  # a fixed list: argparse names the valid ones
+            plan.add_argument("--" + key.replace("_", "-"), choices=CHOICES[key], default=default, help=help_)
+        else:
+            plan.add_argument("--" + key.replace("_", "-"), type=types.arg_type(key, _policy_value(key)), default=default,
+                              metavar=key.upper(), help=help_)
+    _add_activation_flags(plan)
+    plan.add_argument("--batch", type=types.positive_int, default=1)
+    plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
+                      help="autoencoder stride t,h,w (default 4,8,8)")
+    plan.set_defaults(func=run)
+
+
+def _add_activation_flags(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--disk", type=types.byte_size, help="free disk for spilled checkpoints (offload.spill_dir); default: none")
+    plan.add_argument("--disk-bandwidth", type=types.bandwidth, default="3GB/s",
+                      help="read/write bandwidth of that disk (default 3GB/s, one NVMe drive)")
+
+
+def _policy_value(key: str):
+    """The flag's text read as a config value (YAML, as offload.KEY=VALUE), checked by `OffloadPolicy` itself."""
+
+    def parse(text: str):
+        if not text.strip():
+            raise UserError(f"{text!r} is empty; give a value (as offload.{key} takes)")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        try:
+            OffloadPolicy(**{key: value})  # the config's own check of the value
+        except UserError as error:  # named as the flag the user typed
+            raise UserError(str(error).replace(f"offload.{key}=", f"--{key.replace('_', '-')}=")) from None
+        return value
+
+    return parse
+
+
+def _policy(args) -> OffloadPolicy:
+    return OffloadPolicy(**{key: getattr(args, key) for key in POLICY_FLAGS})
+
+
+def run(args) -> None:
+    from slidefusion.offload.plan.model_shape import model_shape
+    from slidefusion.offload.plan.plan import human
+    from slidefusion.offload.plan.planner import Machine, grid_for, largest_frames, plan_policy, report
+    from slidefusion.offload.tiling.activations import Workload
+
+    shape, stride, policy = model_shape(args.model), args.vae_stride, _policy(args)
+    machine = Machine(args.gpu_memory, args.host_memory, args.pcie, args.tflops, host_bytes_s=args.host_bandwidth,
+                      disk=args.disk, disk_bytes_s=args.disk_bandwidth)
+    attention = args.attention or shape.attention
+    grid = grid_for(args.frames, args.height, args.width, shape.patch, stride)
+    work = Workload(args.batch, grid[0] * grid[1] * grid[2], attention, frames=grid[0])
+    plan = plan_policy(shape, work, policy, machine)
+    print(report(plan, f"{args.model}: {args.frames} frames at {args.width}x{args.height} ({grid[0]}x{grid[1]}x{grid[2]} "
+                       f"tokens), {attention} attention, batch {args.batch}; master {policy.master}, moments {policy.moments}"))
+    print(f"  at 100% of {args.tflops:g} TFLOP/s the step's {plan.flops:.3g} FLOP take {plan.flops / (args.tflops * 1e12):.3g} s; "
+          f"a step in 1 s would need {plan.flops / 1e15:.3g} PFLOP/s")
+    if args.tflops == DEFAULT_TFLOPS and args.pcie == types.bandwidth(DEFAULT_PCIE):
+        print(f"  assumption: {DEFAULT_TFLOPS:g} TFLOP/s and {DEFAULT_PCIE} PCIe are an H200's; pass --tflops and --pcie "
+              "for your GPU (an RTX 4090: about 165 dense bf16 TFLOP/s, 25 GB/s)")
+    if not plan.fits:
+        lean = plan_policy(shape, work, dataclasses.replace(policy, master="bf16", moments="int8"), machine)
+        if lean.fits and (policy.master, policy.moments) != ("bf16", "int8"):
+            print("  with --master bf16 --moments int8 it fits (host state ~4 B/param)")
+        spilled = plan_policy(shape, work, policy, dataclasses.replace(machine, disk=10**18))
+        if args.disk is None and spilled.fits:
+            print(f"  with checkpoints spilled to a disk (--disk, offload.spill_dir) of {human(sum(spilled.disk.values()))} "
+                  "or more it fits")
+        frames = largest_frames(shape, work, policy, machine, (args.frames, args.height, args.width), stride)
+        print(f"  largest clip that fits at {args.width}x{args.height}: "
+              + (f"{frames} frames" if frames else "none (even one latent frame does not fit)"))

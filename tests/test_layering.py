@@ -15,7 +15,7 @@ LAYERS = [
     {"errors", "validate", "core", "optim"},  # core: errors, validation, shared config records
     {"io", "attention"},  # file formats; attention operators
     {"models"},
-    {"adapters", "families", "processors", "diffusion", "text", "vae", "data"},  # what models are fed and wrapped in
+    {"adapters", "families", "processors", "swap", "diffusion", "text", "vae", "data"},  # what models are fed and wrapped in
     {"pretrained", "offload", "parallel", "memory", "run_config"},  # diffusers folders; the engines
     {"pipeline", "training"},
     {"eval", "demo"},

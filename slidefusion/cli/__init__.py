@@ -4,7 +4,8 @@
 
 Each command module has `add_parser(subparsers)`, which registers its flags and its `run(args)`.
 A user mistake (bad flag, config key, size, path, video) prints one line and exits with code 2; a
-training run that diverges, or sampling that produces NaN, stops with one line and exit code 3.
+training run that diverges, sampling that produces NaN, a full disk or a failed process group stops
+with one line and exit code 3. Under a launcher (torchrun) rank 0 alone reports bad input.
 """
 
 import os
@@ -12,8 +13,8 @@ import sys
 import warnings
 
 from slidefusion.cli import demo, evaluate, experiment, export, generate, plan, simulate, train
-from slidefusion.cli.args import ArgumentParser, one_line
-from slidefusion.errors import UserError
+from slidefusion.cli.args import ArgumentParser, follower_rank, leave_after_rank_zero, one_line, rank_failure
+from slidefusion.core.errors import UserError
 
 COMMANDS = (train, generate, export, demo, simulate, plan, evaluate, experiment)  # in `--help` order
 
@@ -41,11 +42,22 @@ def main(argv: list[str] | None = None) -> int:
             args.func(args)
         except UserError as error:
             kind = "stopped" if getattr(error, "exit_code", 2) != 2 else "error"
+            if kind == "error" and follower_rank():  # bad input: rank 0 says it, once
+                try:
+                    leave_after_rank_zero(error, args.command_parser)
+                except SystemExit as done:
+                    return done.code
             print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
             return getattr(error, "exit_code", 2)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return 130
+        except Exception as error:  # noqa: BLE001 - only a process group's failure is caught, see rank_failure
+            line = rank_failure(error)
+            if line is None:
+                raise
+            print(f"{prog}: stopped: {line}", file=sys.stderr)
+            return 3
     return 0
 
 

@@ -3,12 +3,18 @@
 `ArgumentParser.error` prints exactly one line, `slidefusion <command>: error: ... (see --help)`,
 and exits with code 2; the value types below judge a flag with the same checks the typed configs
 use (`slidefusion.validate`), so `--guidance nan` fails at parse time, naming the flag, before
-any model is loaded. A new flag picks its type here instead of checking its value later.
+any model is loaded. A new flag picks its type here instead of checking its value later. Under
+torchrun, `leave_after_rank_zero` is how a rank other than 0 ends after bad input that rank 0 reports.
 """
 
 import argparse
+import os
+import signal
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from slidefusion.core import validate
 from slidefusion.core.errors import UserError
@@ -17,6 +23,45 @@ from slidefusion.core.errors import UserError
 def one_line(message: str) -> str:
     """`message` with its line breaks folded, so every error stays a single line."""
     return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+RANK_ZERO_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to stop it after bad input
+
+
+def leave_after_rank_zero(error: Exception, parser: argparse.ArgumentParser | None = None) -> NoReturn:
+    """Exit 2 in silence from a rank other than 0 after bad input, but not before rank 0 has said why.
+    torchrun stops every other rank with SIGTERM as soon as one rank has exited: a rank that left
+    first could cut rank 0 off before its line, and rank 0 would show as killed. So under torchrun
+    this rank waits for that SIGTERM and answers it with exit 2 (every rank then exits 2 on its own);
+    if none comes within RANK_ZERO_WAIT_S (rank 0 did not hit the same check), it says it itself."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun agent will stop this rank
+        raise SystemExit(2) from None
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))  # stdout/stderr hold nothing of this rank's
+    time.sleep(RANK_ZERO_WAIT_S)
+    prog = "slidefusion" if parser is None else parser.prog
+    print(f"{prog}: rank {os.environ.get('RANK', '?')}: error: {one_line(str(error))}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def follower_rank() -> bool:
+    """True in a rank other than 0 under a launcher (torchrun sets RANK): every rank reads the same
+    command line and the same files, so rank 0 alone reports a mistake in them, once."""
+    return os.environ.get("RANK", "0").strip() not in ("0", "")
+
+
+def rank_failure(error: BaseException) -> str | None:
+    """One line for a failure of the process group (a peer died or never joined, a collective timed
+    out), or None for any other error. torch.distributed's errors carry pages of C++ context."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    modules = {cls.__module__ for cls in type(error).__mro__}
+    text = str(error)
+    if not ("ParallelError" in names or any(m.startswith("torch.distributed") for m in modules)
+            or any(word in text for word in ("Connection closed by peer", "Connection reset by peer", "[gloo]"))):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    rank = os.environ.get("RANK", "?")
+    return (f"rank {rank}: the process group failed: {first[:300]}; another rank died, stopped answering or never "
+            "started (its own message, if any, is above); nothing was written")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -29,6 +74,8 @@ class ArgumentParser(argparse.ArgumentParser):
         self._mixing = False
 
     def error(self, message: str):
+        if follower_rank():
+            leave_after_rank_zero(ValueError(message), self)
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                         help="weights dtype (default: float16; diffusers: as the source folder stores them; "
                              "comfyui: float32 for a LoRA, bfloat16 for a full fine-tune)")
     export.add_argument("--max-shard-size", type=types.byte_size, default=None, metavar="SIZE",
-                        help="diffusers: largest safetensors shard, e.g. 5GB (the default)")
+                        help="diffusers: largest safetensors shard with its unit, e.g. 5GB (the default) or 500MB")
     export.add_argument("--force", action="store_true", help="replace --out if it is an existing folder")
     export.set_defaults(func=run)
 

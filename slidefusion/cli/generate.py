@@ -8,7 +8,6 @@ one line (from rank 0 alone under torchrun) before minutes of loading.
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -16,7 +15,8 @@ from slidefusion.cli import args as types
 from slidefusion.core.errors import UserError
 
 _REQUIRED = object()  # --checkpoint not given
-PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout"}
+PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout",
+                 "ulysses": "--ulysses", "ring": "--ring"}
 
 
 def add_parser(sub) -> None:
@@ -63,8 +63,12 @@ def _add_parallel_options(generate: argparse.ArgumentParser) -> None:
     group.add_argument("--parallel", metavar="SCHEDULE", choices=list(SCHEDULES),
                        help=f"run across the torchrun ranks: {', '.join(SCHEDULES)}")
     group.add_argument("--slices", type=types.arg_type("slices", _slices), default=None, metavar="N|auto",
-                       help="slices per switch (scalefusion, scalefusion-inter; default 4) or per Ulysses all-to-all "
-                            "(ulysses on full-3D models; default 1 = plain Ulysses)")
+                       help="slices per switch (scalefusion, scalefusion-inter; default 4) or per exchange "
+                            "(ulysses, ring, usp on full-3D models; default 1 = unsliced; auto: default of --parallel auto)")
+    group.add_argument("--ulysses", type=types.positive_int, default=None, metavar="U",
+                       help="usp: ranks of each head all-to-all group (consecutive ranks; U x R = ranks per sequence group)")
+    group.add_argument("--ring", type=types.positive_int, default=None, metavar="R",
+                       help="usp: ranks of each ring (key/value blocks pass around it)")
     group.add_argument("--cfg-parallel", action="store_true",
                        help="conditional and unconditional halves on two rank groups (even rank count)")
     group.add_argument("--trace", metavar="PATH", type=types.output_file(".json"),
@@ -92,7 +96,8 @@ def parallel_config(args):
         return None
     from slidefusion.parallel import ParallelConfig
 
-    given = {"slices": args.slices, "cfg_parallel": args.cfg_parallel, "timeout_s": args.timeout}
+    given = {"slices": args.slices, "cfg_parallel": args.cfg_parallel, "timeout_s": args.timeout,
+             "ulysses": args.ulysses, "ring": args.ring}
     return ParallelConfig(args.parallel, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -110,6 +115,7 @@ def _check_folder_options(args, parallel) -> None:
 
 
 def run(args) -> None:
+    """Under torchrun a mistake is reported by rank 0 alone (`cli.main`, `leave_after_rank_zero`)."""
     parallel = parallel_config(args)
     _check_folder_options(args, parallel)
     if args.pretrained:
@@ -117,19 +123,12 @@ def run(args) -> None:
         if missing:
             raise UserError(f"--pretrained needs {', '.join(missing)}: the video size in pixels (for Wan, frames "
                             "1 + 4k and sides multiples of 16, e.g. --frames 33 --height 480 --width 832)")
-    if parallel is None:
-        return _generate(args, None)
-    try:  # bad input is reported by rank 0 alone (the others exit 2 silently), so the error is one line
-        _generate(args, parallel)
-    except UserError:
-        if os.environ.get("RANK", "0") != "0":
-            raise SystemExit(2) from None
-        raise
+    _generate(args, parallel)
 
 
 def _generate(args, parallel) -> None:
     from slidefusion.data.video_io import check_video_path
-    from slidefusion.validate import output_path
+    from slidefusion.core.validate import output_path
 
     start = time.perf_counter()
     out = Path(args.out)
@@ -143,7 +142,7 @@ def _generate(args, parallel) -> None:
         args.device = str(pick_backend()[1])
     pipe = _pipeline(args, folder)
     if parallel is not None and not args.pretrained:
-        world = _check_models([pipe.model], parallel)
+        world = _check_models(_transformers(pipe), parallel)
     if folder is None:  # a checkpoint: a fine-tune of an image-to-video folder takes one
         image = _checkpoint_image(args, pipe)
     tracer, rank = _join(parallel, world)
@@ -216,6 +215,13 @@ def _check_models(models, parallel) -> int:
     world = launcher_world()
     check_models(models, parallel, world)
     return world
+
+
+def _transformers(pipe) -> list:
+    """The models `--parallel` runs across the ranks: ours, or each transformer of a diffusers folder
+    (a checkpoint of a fine-tune of one samples as that folder, a `FolderPipeline`)."""
+    parts = getattr(pipe, "parts", None)
+    return [model for model, _ in parts.experts] if parts is not None else [pipe.model]
 
 
 def _join(parallel, world):

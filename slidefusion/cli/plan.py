@@ -37,9 +37,11 @@ def add_parser(subparsers) -> None:
     plan.add_argument("--width", type=types.positive_int, required=True, help="video width in pixels")
     plan.add_argument("--attention", choices=["dense", "flash", "window", "slide"],
                       help="self-attention operator (default: the model's own; Wan: flash)")
-    plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB", help="device memory (default 141GB, an H200)")
-    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", help="host memory (default 1.5TB)")
-    plan.add_argument("--pcie", type=types.bandwidth, default=DEFAULT_PCIE, help=f"host<->device bandwidth (default {DEFAULT_PCIE})")
+    plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB",
+                      help="device memory with its unit, e.g. 24GB or 24GiB (default 141GB, an H200; a bare number is refused)")
+    plan.add_argument("--host-memory", type=types.byte_size, default="1.5TB", help="host memory with its unit, e.g. 128GB (default 1.5TB)")
+    plan.add_argument("--pcie", type=types.bandwidth, default=DEFAULT_PCIE,
+                      help=f"host<->device bandwidth with its unit, e.g. 25GB/s (default {DEFAULT_PCIE})")
     plan.add_argument("--tflops", type=types.number(0, low_open=True), default=DEFAULT_TFLOPS,
                       help=f"dense bf16 TFLOP/s of the device (default {DEFAULT_TFLOPS:g}, an H200)")
     plan.add_argument("--host-bandwidth", type=types.bandwidth, default="20GB/s",
@@ -59,7 +61,8 @@ def add_parser(subparsers) -> None:
 
 
 def _add_activation_flags(plan: argparse.ArgumentParser) -> None:
-    plan.add_argument("--disk", type=types.byte_size, help="free disk for spilled checkpoints (offload.spill_dir); default: none")
+    plan.add_argument("--disk", type=types.byte_size,
+                      help="free disk for spilled checkpoints (offload.spill_dir) with its unit, e.g. 2TB; default: none")
     plan.add_argument("--disk-bandwidth", type=types.bandwidth, default="3GB/s",
                       help="read/write bandwidth of that disk (default 3GB/s, one NVMe drive)")
 
@@ -89,10 +92,10 @@ def _policy(args) -> OffloadPolicy:
 
 def run(args) -> None:
     from slidefusion.offload.plan.model_shape import model_shape
-    from slidefusion.offload.plan.plan import human
-    from slidefusion.offload.plan.planner import Machine, grid_for, largest_frames, plan_policy, report
+    from slidefusion.offload.plan.planner import Machine, grid_for, plan_policy, report, valid_frames
     from slidefusion.offload.tiling.activations import Workload
 
+    _check_folder(args.model)
     shape, stride, policy = model_shape(args.model), args.vae_stride, _policy(args)
     machine = Machine(args.gpu_memory, args.host_memory, args.pcie, args.tflops, host_bytes_s=args.host_bandwidth,
                       disk=args.disk, disk_bytes_s=args.disk_bandwidth)
@@ -107,14 +110,68 @@ def run(args) -> None:
     if args.tflops == DEFAULT_TFLOPS and args.pcie == types.bandwidth(DEFAULT_PCIE):
         print(f"  assumption: {DEFAULT_TFLOPS:g} TFLOP/s and {DEFAULT_PCIE} PCIe are an H200's; pass --tflops and --pcie "
               "for your GPU (an RTX 4090: about 165 dense bf16 TFLOP/s, 25 GB/s)")
+    if (args.frames - 1) % stride[0]:
+        below = valid_frames((args.frames - 1) // stride[0] + 1, stride)
+        print(f"  note: --frames {args.frames} is not 1 + {stride[0]}k: a causal video VAE of temporal stride "
+              f"{stride[0]} (Wan, CogVideoX, ours) takes {below} or {below + stride[0]}")
     if not plan.fits:
-        lean = plan_policy(shape, work, dataclasses.replace(policy, master="bf16", moments="int8"), machine)
-        if lean.fits and (policy.master, policy.moments) != ("bf16", "int8"):
-            print("  with --master bf16 --moments int8 it fits (host state ~4 B/param)")
-        spilled = plan_policy(shape, work, policy, dataclasses.replace(machine, disk=10**18))
-        if args.disk is None and spilled.fits:
-            print(f"  with checkpoints spilled to a disk (--disk, offload.spill_dir) of {human(sum(spilled.disk.values()))} "
-                  "or more it fits")
-        frames = largest_frames(shape, work, policy, machine, (args.frames, args.height, args.width), stride)
-        print(f"  largest clip that fits at {args.width}x{args.height}: "
-              + (f"{frames} frames" if frames else "none (even one latent frame does not fit)"))
+        _suggest(args, shape, work, policy, machine)
+
+
+def _check_folder(model: str) -> None:
+    """A diffusers transformer folder's sizes, and its layer count against its weights, before the
+    planner builds it (a million layers) or plans a model other than the weights'."""
+    from pathlib import Path
+
+    if Path(model).is_dir():
+        from slidefusion.pretrained.config_check import check_transformer_folder
+
+        check_transformer_folder(model, "--model")
+
+
+LEAN = {"master": "bf16", "moments": "int8"}
+ANY_DISK = 10**18  # bytes: "a disk as large as needed", to learn how much of one a plan uses
+
+
+def _options(policy: OffloadPolicy, machine) -> list[tuple[str, OffloadPolicy, object]]:
+    """The ways to more room the user has not taken yet, as (words, policy, machine): lean host
+    state, a disk, then both."""
+    lean = ("--master bf16 --moments int8", dataclasses.replace(policy, **LEAN), machine)
+    disk = ("checkpoints spilled to a disk (--disk, offload.spill_dir)", policy, dataclasses.replace(machine, disk=ANY_DISK))
+    is_lean, has_disk = (policy.master, policy.moments) == ("bf16", "int8"), machine.disk is not None
+    options = ([] if is_lean else [lean]) + ([] if has_disk else [disk])
+    if len(options) == 2:
+        options.append((f"{lean[0]} and {disk[0]}", lean[1], disk[2]))
+    return options
+
+
+def _suggest(args, shape, work, policy: OffloadPolicy, machine) -> None:
+    """What would fit when the plan does not: lean host state, a disk for the checkpoints, or both
+    (only when neither alone does); and the largest clip (a length the VAE accepts) that fits as
+    asked, or else with the first of those options that gives one."""
+    from slidefusion.offload.plan.plan import human
+    from slidefusion.offload.plan.planner import largest_frames, plan_policy
+
+    options, one_fits = _options(policy, machine), False
+    for index, (words, option, room) in enumerate(options):
+        if index == 2 and one_fits:
+            break  # the combination is worth saying only when neither alone fits
+        trial = plan_policy(shape, work, option, room)
+        one_fits = one_fits or trial.fits
+        if trial.fits:
+            spilled = sum(trial.disk.values())
+            print(f"  with {words}" + (f" of {human(spilled)} or more" if spilled else "") + " it fits"
+                  + (" (host state ~4 B/param)" if "--master" in words else ""))
+    line = f"  largest clip that fits at {args.width}x{args.height}: "
+    pixels = (args.frames, args.height, args.width)
+    frames = largest_frames(shape, work, policy, machine, pixels, args.vae_stride)
+    if frames:
+        print(line + f"{frames} frames")
+        return
+    for words, option, room in options:
+        frames = largest_frames(shape, work, option, room, pixels, args.vae_stride)
+        if frames:
+            print(line + f"none as asked (even one latent frame does not fit); with {words}: {frames} frames")
+            return
+    print(line + "none, even with lean host state and a disk (one latent frame does not fit); "
+                 "lower --height/--width, or use a machine with more memory")

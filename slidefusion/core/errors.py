@@ -44,3 +44,11 @@ class NonFiniteError(UserError):
     """
 
     exit_code = 3
+
+
+class DiskFullError(UserError):
+    """A write ran out of disk space (or quota). Nothing already there was lost: every writer writes
+    to a temporary name first. One line saying what ran out and how much was needed; the CLI exits
+    with `exit_code` (the command stopped; the input was not wrong)."""
+
+    exit_code = 3

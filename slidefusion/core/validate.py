@@ -82,20 +82,31 @@ def seed(value, key: str | None) -> int:
         raise UserError(f"{_subject(key, value)} must be a seed, an integer in 0..2**64-1") from None
 
 
-def byte_size(value, key: str | None, *, per_second: bool = False) -> int:
-    """'141GB', '1.5TB', '64GiB' (with '/s' for a bandwidth) or a plain number -> bytes, >= 1."""
+def byte_size(value, key: str | None, *, per_second: bool = False, bare_bytes: bool = False) -> int:
+    """'141GB', '1.5TB', '64GiB' (with '/s' for a bandwidth) -> bytes, >= 1.
+
+    A number without a unit is refused: `--gpu-memory 24` read as 24 bytes would plan nonsense, and
+    read as 24 GB it would guess. So is a bare 'G' ('24G': 10**9 or 2**30 bytes?). `bare_bytes`
+    (the Python API, where an int means bytes) accepts a plain number as bytes."""
     example = "55GB/s" if per_second else "141GB, 1.5TB or 64GiB"
+    units = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
     text = str(value).strip().upper()
     if per_second and text.endswith("/S"):
         text = text[:-2]
     unit = text.lstrip("0123456789.E+-")
     digits = text[:len(text) - len(unit)]
+    unit = unit.strip()
     try:
-        number = float(digits) * SIZE_UNITS[unit.strip()]
+        number = float(digits) * SIZE_UNITS[unit]
     except (ValueError, KeyError):
         number = math.nan
     if isinstance(value, bool) or not math.isfinite(number) or number < 1:
-        raise UserError(f"{_subject(key, value)} must be a size such as {example} (positive and finite)")
+        if unit in ("K", "M", "G", "T", "P") and digits:
+            raise UserError(f"{_subject(key, value)} is ambiguous: write {digits}{unit}B (powers of 1000) or "
+                            f"{digits}{unit}iB (powers of 1024)")
+        raise UserError(f"{_subject(key, value)} must be a size such as {example} (positive and finite; units: {units})")
+    if not unit and not bare_bytes:
+        raise UserError(f"{_subject(key, value)} has no unit; write e.g. {digits}GB (units: {units})")
     return int(number)
 
 
@@ -114,9 +125,11 @@ def device(name, key: str | None) -> torch.device:
     return found
 
 
-def output_path(path, key: str | None, suffixes: tuple[str, ...] = (), folder: bool = False) -> Path:
+def output_path(path, key: str | None, suffixes: tuple[str, ...] = (), folder: bool = False,
+                inside: bool = False) -> Path:
     """Check, before any work, that `path` can be written: a valid suffix, not an existing entry of
-    the other kind (folder vs file), and a writable nearest existing parent. Creates nothing."""
+    the other kind (folder vs file), and a writable nearest existing parent (with `inside`, files go
+    into the folder: an existing one must itself be writable). Creates nothing."""
     if not str(path).strip():
         raise UserError(f"{_subject(key, str(path))} is empty; give a {'folder' if folder else 'file'} path")
     path = Path(path).expanduser()
@@ -126,6 +139,8 @@ def output_path(path, key: str | None, suffixes: tuple[str, ...] = (), folder: b
         raise UserError(f"{_subject(key, str(path))} is an existing folder; give a file path")
     if folder and path.exists() and not path.is_dir():
         raise UserError(f"{_subject(key, str(path))} is an existing file; give a folder path")
+    if inside and path.is_dir() and not _writable(path):
+        raise UserError(f"{_subject(key, str(path))} cannot be written: the folder is not writable")
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent

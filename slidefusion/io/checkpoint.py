@@ -144,10 +144,23 @@ def _read(folder: Path, name: str, reader, reason: str | None = None):
         raise UserError(f"checkpoint {folder} cannot be read: {name}: {reason}") from None
 
 
+def base_folder(checkpoint: Path) -> Path | None:
+    """The diffusers folder a fine-tune's checkpoint was trained from (its config's model.pretrained),
+    or None: read from config.json alone, before anything heavy is loaded."""
+    try:
+        model = json.loads((Path(checkpoint) / CONFIG).read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_checkpoint says what is wrong with it
+    pretrained = model.get("pretrained") if isinstance(model, dict) else None
+    return Path(pretrained).expanduser() if isinstance(pretrained, str) and pretrained.strip() else None
+
+
 def check_export_destination(source: Path, destination: str | Path, force: bool = False) -> Path:
     """Where an export may write, or a UserError: never an existing entry unless `force` (and then
     only a folder), never the checkpoint or its run folder, inside them, or a folder holding them
-    or the current folder. Every export format calls this before it writes anything."""
+    or the current folder; never the base folder of a fine-tune (model.pretrained), inside it or
+    around it, with or without `force`: sampling the run reads it. Every export format calls this
+    before it writes anything."""
     destination = Path(destination)
     target = destination.resolve()
     protected = [Path(source).resolve()]
@@ -159,6 +172,13 @@ def check_export_destination(source: Path, destination: str | Path, force: bool 
                             "export somewhere else (it must never touch its source)")
     if target in protected[0].parents:
         raise UserError(f"--out {destination} holds the checkpoint {source}; replacing it would delete the source")
+    base = base_folder(source)
+    if base is not None:
+        base = base.resolve()
+        if target == base or base in target.parents or target in base.parents:
+            where = "is" if target == base else "is inside" if base in target.parents else "holds"
+            raise UserError(f"--out {destination} {where} the base folder {base} this fine-tune was trained from "
+                            "(model.pretrained); export somewhere else: sampling the run reads that folder")
     if destination.exists() or destination.is_symlink():
         if not destination.is_dir() or destination.is_symlink():
             raise UserError(f"--out {destination} is an existing file or link; export writes a folder, give a new path")
@@ -185,4 +205,8 @@ def export_checkpoint(source: str | Path, destination: str | Path, dtype: torch.
         why = (f"does not fit in {dtype} (its range is too small); use --dtype bfloat16 or float32" if finite_before
                else "holds NaN or infinity; export an earlier checkpoint")
         raise UserError(f"weight {bad} of {ckpt.path} {why}")
-    return write_checkpoint(destination, ckpt.config, weights, metadata={"source": str(ckpt.path)})
+    from slidefusion.io.diskfull import tensor_bytes, writing
+
+    with writing(f"the export {destination.name}", destination.absolute().parent, tensor_bytes(weights),
+                 "the checkpoint and any earlier --out are untouched"):
+        return write_checkpoint(destination, ckpt.config, weights, metadata={"source": str(ckpt.path)})

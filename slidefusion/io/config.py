@@ -6,6 +6,7 @@ key and what would be valid; each record's `__post_init__` then checks its range
 is the inverse (what a run's config.json holds). Field metadata says what is special:
   PROGRAM_SET   set by the program, never by a config file (an engine's device); `plain` leaves it out
   {"parse": f}  a section read by `f(value, dotted_key)` (a model: a preset name, or a folder)
+  {"plain": g}  a value `plain` writes as `g(value)`, so that `build` (its "parse") reads it back
 """
 
 import dataclasses
@@ -35,7 +36,8 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
 def plain(value):
     """A config dataclass as nested dicts of plain values: its config keys only, dtypes by name."""
     if dataclasses.is_dataclass(value):
-        return {key: plain(getattr(value, key)) for key in config_keys(type(value))}
+        writers = {f.name: f.metadata.get("plain", plain) for f in dataclasses.fields(value)}
+        return {key: writers[key](getattr(value, key)) for key in config_keys(type(value))}
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     if isinstance(value, (list, tuple)):

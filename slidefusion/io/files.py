@@ -6,22 +6,31 @@ either the old entry or the new one, never a mixture; the temporary is removed o
 """
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from slidefusion.io.partial import MARKER, hold, remove_abandoned_folders
+
 
 @contextmanager
 def atomic_folder(final: Path) -> Iterator[Path]:
     """Yield a hidden temporary sibling of `final`; on success it replaces `final` in one rename,
-    on any error it is deleted, so `final` is never seen half-written."""
+    on any error it is deleted, so `final` is never seen half-written. The temporary holds a locked
+    marker while it is written (`io.partial`): the ones a killed writer left for the same `final`
+    are removed first, never one a live writer holds."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_folders(final.parent, re.compile(rf"^\.{re.escape(final.name)}-[a-z0-9_]{{8}}$"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    marker = None
     try:
+        marker = hold(tmp / MARKER)
         yield tmp
+        (tmp / MARKER).unlink()  # the lock stays with the descriptor until the rename is done
         _fsync_tree(tmp)
         old = None
         if final.exists():  # replacing: move the old one aside, put the new one in, then delete the old
@@ -30,6 +39,9 @@ def atomic_folder(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if marker is not None:
+            os.close(marker)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -3,6 +3,9 @@
 from dataclasses import asdict, dataclass, field, fields
 
 from slidefusion.core.errors import UserError, check, choose, unknown_value
+
+# The architectures' names, the one list: models/dit.py maps each to its class in this order.
+ARCHITECTURES = ("dit3d", "stdit")
 # Far beyond any real model (the 105 B preset is 8192 wide, 71 deep), and small enough that even
 # building the model on the meta device (for planning and memory estimates) stays instant.
 LIMITS = {"in_channels": 1024, "hidden": 65536, "depth": 1024, "heads": 1024, "text_dim": 65536}
@@ -34,8 +37,6 @@ class ModelConfig:
 
     def __post_init__(self):
         self.patch_size = tuple(self.patch_size)
-        from slidefusion.models.dit import ARCHITECTURES  # the one list; dit.py imports this module
-
         choose(self.arch, ARCHITECTURES, "model.arch")
         check(
             len(self.patch_size) == 3 and all(isinstance(p, int) and 1 <= p <= 64 for p in self.patch_size),

@@ -13,7 +13,7 @@ from slidefusion.attention import DenseAttention3d, build_attention
 from slidefusion.attention.tiling import TileRule
 from slidefusion.core.errors import UserError
 from slidefusion.core.grids import token_grid
-from slidefusion.models.config import ModelConfig
+from slidefusion.models.config import ARCHITECTURES as ARCH_NAMES, ModelConfig
 from slidefusion.models.layers import (
     DiTBlock,
     FinalLayer,
@@ -135,7 +135,7 @@ class STDiT(VideoDiT):
         return blocks
 
 
-ARCHITECTURES: dict[str, type[VideoDiT]] = {"dit3d": DiT3D, "stdit": STDiT}
+ARCHITECTURES: dict[str, type[VideoDiT]] = dict(zip(ARCH_NAMES, (DiT3D, STDiT), strict=True))
 
 
 def build_model(config: ModelConfig, device: str | torch.device | None = None) -> VideoDiT:

@@ -77,10 +77,35 @@ def _bytes(key: str, value, none_ok: bool) -> int | None:
     return 0 if value.strip() == "0" else validate.byte_size(value, f"offload.{key}")
 
 
+def config_size(value, key: str):
+    """A size as a config file or a `key=value` override gives it: 0, or a number with its unit (64GB).
+    YAML reads `64` as an int; a bare number is refused here as on the command line (24 bytes or
+    24 GB?). The Python API's ints are bytes (`_bytes`): only config text reaches this."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+        raise UserError(f"{key}={value!r} has no unit; write e.g. {value:g}GB (units: B, KB, MB, GB, TB or "
+                        "KiB, MiB, GiB, TiB), or 0")
+    return value  # text, 0, None: the policy reads and checks it
+
+
+def size_text(value):
+    """A byte count as exact text with its unit (what `config_size` reads back): 64000000000 -> '64GB'."""
+    if not _is_count(value, 1):
+        return value
+    for unit, scale in (("TiB", 2**40), ("TB", 10**12), ("GiB", 2**30), ("GB", 10**9), ("MiB", 2**20), ("MB", 10**6),
+                        ("KiB", 2**10), ("KB", 10**3)):
+        if value % scale == 0:
+            return f"{value // scale}{unit}"
+    return f"{value}B"
+
+
+SIZE = {"parse": config_size, "plain": size_text}  # field metadata: a byte count a config file writes with its unit
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """How the engine keeps state and moves weights. Sizes in bytes (or text such as 64GB), counts in
-    blocks, tiles in frames of the token grid; see the module docstring for `auto`."""
+    """How the engine keeps state and moves weights. Sizes in bytes (or text such as 64GB; a config
+    file needs the unit), counts in blocks, tiles in frames of the token grid; see the module
+    docstring for `auto`."""
 
     enabled: bool = False  # the trainer trains with the engine (`--offload`); the engine itself ignores it
     compute_dtype: str | torch.dtype = AUTO  # the streamed copy and the gradients: float32, bfloat16, float16 or auto
@@ -91,9 +116,11 @@ class OffloadPolicy:
     checkpoint: bool = True  # recompute each block in backward (activations kept: block inputs only)
     resident_blocks: int | str = 0  # the last N blocks in call order live on the device, never streamed; or auto
     tile: int | str | bool | None = None  # frames of the token grid per tile in a block, auto, or None / off: whole
-    pin_budget: int | str | None = None  # most page-locked host bytes (None: no limit); the rest is pageable
+    pin_budget: int | str | None = field(default=None, metadata=SIZE)  # most page-locked host bytes (None: no
+    # limit); the rest is pageable
     spill_dir: str | None = None  # a folder on a local disk for the block checkpoints past spill_after
-    spill_after: int | str = 0  # checkpoint bytes kept in host memory before the rest goes to spill_dir
+    spill_after: int | str = field(default=0, metadata=SIZE)  # checkpoint bytes kept in host memory before the
+    # rest goes to spill_dir
     overlap: bool | str = AUTO  # each group's AdamW on the optimizer thread beside the compute: true, false or auto
     optimizer_threads: int | str = AUTO  # threads of the host AdamW: N >= 1 or auto (see `threads`)
     seed: int = 0  # of the stochastic rounding streams (a function of seed, step, group, element)

@@ -28,6 +28,7 @@ from slidefusion.parallel.layers import LayerCall, LayerHook
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
 from slidefusion.parallel.records import access_for
+from slidefusion.parallel.ring import RingCall, RingHook
 from slidefusion.parallel.tokens import Tokens
 from slidefusion.parallel.trace import Tracer
 from slidefusion.parallel.ulysses import UlyssesCall, UlyssesHook
@@ -40,6 +41,8 @@ class Engine:
     def __init__(self, plan: Plan, schedule: Schedule, comm: Comm, pair: Comm | None, tracer: Tracer):
         self.plan, self.schedule, self.comm, self.pair, self.tracer = plan, schedule, comm, pair, tracer
         self.slices = 1
+        self.grid = None  # ring / usp: this rank's U x R groups (`ring.Grid`); None: Ulysses or a layer schedule
+        self.tuning: dict | None = None  # what `calibrate.tune` measured and chose, when it ran
 
     @property
     def cfg_batch(self) -> bool:
@@ -86,6 +89,8 @@ class Engine:
         return tracer
 
     def _call(self, tokens: Tokens):
+        if self.schedule.heads and self.grid is not None:
+            return RingCall(self.comm, tokens, self.slices, self.tracer, self.grid)
         if self.schedule.heads:
             return UlyssesCall(self.comm, tokens, self.slices, self.tracer)
         counts = (self.schedule.slices(FRAMES, self.slices), self.schedule.slices(POSITIONS, self.slices))
@@ -163,9 +168,11 @@ def attach_hooks(model: nn.Module, plan: Plan, schedule: Schedule) -> None:
     for block, kind in zip(plan.blocks, plan.kinds):
         if kind == "temporal" and access.rows.get(kind):
             hooks.attach(block, "rows", hooks.RowsHook(access.rows[kind]))
+    # RingHook runs Ulysses calls too (auto may choose them); one name either way: the head-site hook.
+    hook = RingHook if schedule.ring else UlyssesHook
     for site in plan.head_sites:
         module = model.get_submodule(site.path)
-        hooks.attach(module, "ulysses", UlyssesHook(site, access_for(module)))
+        hooks.attach(module, "ring" if schedule.ring else "ulysses", hook(site, access_for(module)))
 
 
 def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | None]:
@@ -186,13 +193,17 @@ def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | No
     return seq, pair
 
 
-def _resolve_slices(model, engine: Engine, config: ParallelConfig, latent_shape) -> int:
+def _resolve_slices(model, engine: Engine, config: ParallelConfig, latent_shape, group) -> int:
     slices = config.requested_slices
     check_slices(engine.plan, engine.schedule, slices)
     if slices != "auto":
         return slices
     if latent_shape is None:
         raise UserError("slices='auto' measures this run's costs first: pass latent_shape=(B, C, T, H, W)")
+    if engine.schedule.heads and engine.plan.full and engine.comm.size > 1:  # the cost model of calibrate.py
+        from slidefusion.parallel.calibrate import tune
+
+        return tune(model, engine, group, latent_shape, {(engine.comm.size, 1): None}).slices
     from slidefusion.parallel.auto import choose_slices
 
     return choose_slices(engine, model, tuple(latent_shape))
@@ -218,5 +229,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tr
     pair_comm = None if pair is None else Comm(pair, tracer, config.link_delay)
     engine = Engine(plan, schedule, comm, pair_comm, tracer)
     hooks.attach(model, "engine", engine)
-    engine.slices = _resolve_slices(model, engine, config, latent_shape)
+    if schedule.ring:  # the U x R groups, and the choices auto leaves open
+        from slidefusion.parallel.calibrate import setup_ring
+
+        setup_ring(model, engine, config, group, latent_shape)
+    else:
+        engine.slices = _resolve_slices(model, engine, config, latent_shape, group)
     return ParallelDiT(model, engine, config)

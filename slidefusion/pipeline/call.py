@@ -41,9 +41,13 @@ def save_latents(path: str | Path, latents: Tensor) -> Path:
     """Write final latents as safetensors under the key `latents`, atomically (temp + rename)."""
     from safetensors.torch import save_file
 
-    with atomic_file(Path(path)) as tmp:
+    from slidefusion.io.diskfull import writing
+
+    path = Path(path)
+    with writing(f"the latents {path.name}", path.absolute().parent, latents.numel() * latents.element_size(),
+                 "nothing was changed (the video was not written either)"), atomic_file(path) as tmp:
         save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
-    return Path(path)
+    return path
 
 
 def check_finite(latents: Tensor, guidance: float, steps: int) -> None:

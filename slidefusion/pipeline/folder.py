@@ -87,6 +87,10 @@ class FolderPipeline(DiffusersCall):
 
         path = refuse_existing(path, force)
         parts = self.parts
+        root, target = parts.folder.root.resolve(), path.resolve()
+        check(not (target == root or root in target.parents or target in root.parents),
+              f"save_pretrained: {path} is, is inside or holds the folder {root} these components were loaded "
+              "from; give a path apart from it")
         cls = getattr(diffusers, parts.folder.pipeline_class)
         accepted = inspect.signature(cls.__init__).parameters
         components = {name: getattr(parts, name, None) for name in accepted if hasattr(parts, name)}
@@ -135,13 +139,15 @@ class FolderPipeline(DiffusersCall):
     def decode_batch(self, latents: Tensor, parallel=None, tracer=None) -> Tensor:
         """Latents (B, C, T', H', W') -> videos (B, 3, F, H, W) in [-1, 1], on the CPU; under `parallel`
         the decode is split over the process group's ranks where the VAE allows it (`parallel.decode`)."""
+        from slidefusion.vae import check_decoded
+
         if parallel is not None:
             from slidefusion.parallel import Comm, decode_video
 
-            return decode_video(self.parts.vae, latents.to(self.device), Comm(tracer=tracer)).cpu()
+            return check_decoded(decode_video(self.parts.vae, latents.to(self.device), Comm(tracer=tracer)).cpu())
         from slidefusion.pretrained import decode
 
-        return decode(self.parts, latents.to(self.device))
+        return check_decoded(decode(self.parts, latents.to(self.device)))
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,

@@ -24,7 +24,7 @@ from slidefusion.pipeline.call import DiffusersCall, NoiseFn, check_finite, open
 from slidefusion.pipeline.parallel import maybe_parallel
 from slidefusion.run_config import SamplingConfig
 from slidefusion.text import TextEncoder, build_text_encoder
-from slidefusion.vae import Autoencoder, build_autoencoder
+from slidefusion.vae import Autoencoder, build_autoencoder, check_decoded
 
 DEFAULT_PROMPT = "a red circle moving right quickly on a black background"
 LEGACY_OPTIONS = {"frames", "height", "width", "steps", "guidance", "seed", "negative_prompt", "progress"}
@@ -136,7 +136,7 @@ class VideoPipeline(DiffusersCall):
     def decode_batch(self, latents: Tensor, parallel=None) -> Tensor:
         """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU. Every rank
         decodes alike under `parallel` (our autoencoders are cheap next to sampling)."""
-        return self.autoencoder.decode(latents).clamp(-1, 1).cpu()
+        return check_decoded(self.autoencoder.decode(latents)).clamp(-1, 1).cpu()
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,

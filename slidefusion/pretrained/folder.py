@@ -29,6 +29,7 @@ from slidefusion.io.diffusers import (  # noqa: F401  (WEIGHTS, WEIGHTS_INDEX, r
 )
 from slidefusion.io.safetensors_stream import TensorEntry
 from slidefusion.io.single_file import single_file_entries
+from slidefusion.pretrained.index_check import check_index, check_option, check_scheduler
 
 _VALID = ("valid: a diffusers pipeline folder (model_index.json + transformer/ vae/ text_encoder/ tokenizer/ "
           "scheduler/) or a transformer folder (config.json + diffusion_pytorch_model*.safetensors)")
@@ -112,7 +113,10 @@ class PretrainedFolder:
     def adapter(self, name: str = "transformer") -> ModelAdapter:
         """The transformer's adapter, with the options the pipeline config sets (expand_timesteps, ...)."""
         adapter = adapter_for_class(str(self.transformer_config(name).get("_class_name")))
-        options = {k: self.index[k] for k in adapter.options if self.index is not None and k in self.index}
+        options = {k: self.index[k] for k in adapter.options if self.index is not None and k in self.index
+                   and self.index[k] is not None}
+        for key in options:
+            check_option(self.index, key, adapter.options[key], self.root)
         return adapter.with_options(**options) if options else adapter
 
     def experts(self) -> list[Expert]:
@@ -130,7 +134,10 @@ class PretrainedFolder:
         return read_json(self.component_dir(name) / CONFIG, f"{name} config")
 
     def scheduler_config(self) -> dict:
-        return read_json(self.component_dir("scheduler") / "scheduler_config.json", "scheduler config")
+        path = self.component_dir("scheduler") / "scheduler_config.json"
+        config = read_json(path, "scheduler config")
+        check_scheduler(config, path)
+        return config
 
     def weight_entries(self, name: str = "transformer") -> list[TensorEntry]:
         """Every tensor of a transformer's weights, shard by shard, after checking the shard index
@@ -156,6 +163,7 @@ def _open(path: str | Path) -> PretrainedFolder:
     kind = folder_kind(root)
     if kind == PIPELINE:
         folder = PretrainedFolder(root, read_json(root / MODEL_INDEX, "pipeline index"))
+        check_index(folder.index, root)
     elif kind == MODEL:
         config = read_json(root / CONFIG, "transformer config")
         check("_class_name" in config, f"pretrained={path}: config.json has no _class_name, so it is not a "

@@ -88,5 +88,5 @@ def _with_file(folder: PretrainedFolder, path: str | Path, expert: str, what: st
     adapter = folder.adapter(name)
     layout = original_layout(adapter, f"{what}: a single-file transformer")
     entries = single_file_entries(path, layout, adapter.class_name, what)
-    check_entries(entries, build_on_meta(folder, name), path, folder.root, what)
+    check_entries(entries, build_on_meta(folder, name, check_weights=False), path, folder.root, what)
     return dataclasses.replace(folder, transformer_files={**folder.transformer_files, name: path})

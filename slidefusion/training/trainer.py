@@ -12,6 +12,7 @@ an offload engine with the same methods can replace `ResidentOptimizer` without 
 import dataclasses
 import json
 import math
+import shutil
 import time
 import warnings
 from contextlib import contextmanager
@@ -21,13 +22,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from slidefusion import validate
-from slidefusion.errors import NonFiniteError, UserError
-from slidefusion.io.checkpoint import checkpoint_steps, first_nonfinite, load_checkpoint, save_checkpoint
+from slidefusion.core import validate
+from slidefusion.core.errors import DiskFullError, NonFiniteError, UserError
+from slidefusion.io import diskfull
+from slidefusion.io.checkpoint import (
+    CHECKPOINT,
+    checkpoint_steps,
+    first_nonfinite,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from slidefusion.io.files import write_text
 from slidefusion.training import optimizer_state
 from slidefusion.training.config import OptimConfig, TrainConfig, build
-from slidefusion.training.run_folder import RunLock, remove_stale_temporaries, truncate_metrics
+from slidefusion.training.run_folder import LOCK_NAME, RunLock, remove_stale_temporaries, truncate_metrics
 from slidefusion.training.weights import load_matching
 from slidefusion.training.task import OwnModelTask, ResidentOptimizer  # noqa: F401  (ResidentOptimizer: re-exported)
 
@@ -70,7 +79,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, quiet: bool = False):
         self.config = config
         self.quiet = quiet
-        validate.output_path(config.run.output_dir, "run.output_dir", folder=True)  # before any work
+        validate.output_path(config.run.output_dir, "run.output_dir", folder=True, inside=True)  # before any work
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.device = validate.device(config.run.device, "run.device")
         self.task = build_task(config, self.device, self.run_dir, quiet)
@@ -112,6 +121,30 @@ class Trainer:
             self._lock = None
             lock.release()
 
+    @contextmanager
+    def _nothing_left_on_error(self):
+        """A new run that stops on a user mistake before its first checkpoint (a video that does not
+        decode, weights that do not fit, a component that does not load) takes back what it wrote:
+        the entries it added to the run folder and the cache files it computed. Exit 2 means nothing
+        was written; a run that goes on from a checkpoint keeps everything."""
+        if self._continues:
+            yield
+            return
+        before = {p.name for p in self.run_dir.iterdir()} if self.run_dir.is_dir() else set()
+        try:
+            yield
+        except UserError as error:
+            undo = getattr(error, "exit_code", 2) == 2 or isinstance(error, DiskFullError)
+            if undo and not checkpoint_steps(self.run_dir):
+                for entry in sorted(self.run_dir.iterdir()):
+                    if entry.name not in before and entry.name != LOCK_NAME and not entry.is_symlink():
+                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                discard = getattr(self.task, "discard_written", None)
+                if discard is not None:
+                    discard()
+                self._continues = False
+            raise
+
     def _claim_folder(self) -> None:
         """Refuse to start a new run over an earlier one's checkpoints; keep one metrics record per step."""
         if not self._continues:
@@ -128,7 +161,10 @@ class Trainer:
     def resume(self, checkpoint: str | Path) -> Path:
         """Continue a run exactly where `checkpoint` left it ('latest' = this run's newest)."""
         path = self.run_dir if checkpoint == "latest" else Path(checkpoint)
-        ckpt = load_checkpoint(path, with_state=True)
+        try:
+            ckpt = load_checkpoint(path, with_state=True)
+        except UserError as error:
+            raise UserError(f"{error}{_earlier_hint(path)}") from None
         missing = sorted({"optimizer", "step", "torch_rng"} - set(ckpt.state))
         if missing:
             raise UserError(f"--resume {ckpt.path}: its state.pt lacks {', '.join(missing)}")
@@ -233,16 +269,22 @@ class Trainer:
         if bad is not None:  # check_finite stops the loop first; this guards direct callers
             raise NonFiniteError(f"weight {bad} holds NaN or infinity at step {self.step}; no checkpoint was written")
         state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "torch_rng": torch.get_rng_state()}
-        path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights,
-                               None if self.ema is None else self.ema.shadow, state, self.config.run.keep_last)
-        self.task.after_save()
+        ema = None if self.ema is None else self.ema.shadow
+        previous = checkpoint_steps(self.run_dir)
+        intact = (f"checkpoint-{max(previous)} is intact and --resume latest continues from it" if previous
+                  else "no checkpoint was written")
+        with diskfull.writing(f"checkpoint-{self.step}", self.run_dir, diskfull.tensor_bytes(weights, ema, state), intact):
+            path = save_checkpoint(self.run_dir, self.step, self.config.to_dict(), weights, ema, state,
+                                   self.config.run.keep_last)
+        with diskfull.writing("the caption cache", self.run_dir, None, f"{path.name} is complete"):
+            self.task.after_save()
         return path
 
     def train(self, until: int | None = None) -> TrainResult:
         """Run from the current step to `until` (default: run.steps), logging and checkpointing."""
         run, until = self.config.run, until or self.config.run.steps
         result = TrainResult(self.run_dir)
-        with self.lock():
+        with self.lock(), self._nothing_left_on_error():
             self._claim_folder()
             self.prepare()
             writer = _tensorboard(self.run_dir) if run.tensorboard else None
@@ -282,6 +324,23 @@ class Trainer:
             writer.add_scalar("train/lr", lr, self.step)
         if not self.quiet:
             tqdm.write(f"step {self.step}/{self.config.run.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed / done:.2f} s/step")
+
+
+def _earlier_hint(path: Path) -> str:
+    """For a checkpoint that does not load: the newest earlier one of its run that does (after an
+    interrupted copy or a disk error), as the next thing to try."""
+    folder = Path(path) if CHECKPOINT.match(Path(path).name) else latest_checkpoint(Path(path))
+    if folder is None:
+        return ""
+    step = int(CHECKPOINT.match(folder.name).group(1))
+    for earlier in reversed([p for s, p in checkpoint_steps(folder.parent).items() if s < step]):
+        try:
+            load_checkpoint(earlier, with_state=True)
+        except UserError:
+            continue
+        return (f"; the previous good checkpoint is {earlier}: move {folder.name} out of the run folder and "
+                "--resume latest continues from it")
+    return "; no earlier checkpoint of the run loads either"
 
 
 def build_task(config: TrainConfig, device: torch.device, run_dir: Path, quiet: bool = False):

@@ -24,6 +24,17 @@ from slidefusion.errors import UserError, check
 _VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (a VAE saved with save_pretrained)"
 
 
+def check_decoded(video: Tensor) -> Tensor:
+    """`video` (decoded pixels), or NonFiniteError: finite latents can still decode to NaN (a damaged
+    VAE weight), and a NaN pixel would be written as mid-grey, a video that looks like a result."""
+    from slidefusion.core.errors import NonFiniteError
+
+    if not torch.isfinite(video).all():
+        raise NonFiniteError("decoding produced NaN or infinite pixels although the latents were finite; nothing "
+                             "was written; the VAE's weights are damaged (fetch vae/ again)")
+    return video
+
+
 class Autoencoder(nn.Module, ABC):
     """Interface. Attributes: latent_channels C, temporal_factor, spatial_factor (pixels per latent)."""
 

@@ -61,6 +61,7 @@ FLAGS = [  # (command, flag, kind of its values)
     ("generate", "--steps", "steps"), ("generate", "--guidance", "guidance"), ("generate", "--seed", "seed"),
     ("generate", "--device", "device"), ("generate", "--out", "video_out"), ("generate", "--prompt", "text"),
     ("generate", "--timeout", "positive_float"), ("generate", "--trace", "json_out"),
+    ("generate", "--ulysses", "positive_int"), ("generate", "--ring", "positive_int"),
     *[("demo", f, "positive_int") for f in ("--frames", "--height", "--width")],
     ("demo", "--steps", "steps"), ("demo", "--guidance", "guidance"), ("demo", "--seed", "seed"),
     ("demo", "--device", "device"), ("demo", "--prompt", "text"),

@@ -6,7 +6,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from slidefusion.parallel import ParallelConfig
+from slidefusion.parallel import ParallelConfig, Tracer, spawn
 from slidefusion.parallel.launch import free_port
 from slidefusion.pipeline import VideoPipeline, generate
 
@@ -31,3 +31,18 @@ def test_the_hooks_come_off_after_the_call():
         dist.destroy_process_group()
     assert (parallel - single).abs().max() <= 1e-5
     assert torch.equal(pipe.latents(PROMPT, **OPTIONS), single)  # no process group now: hooks left on would fail
+
+
+def _usp_rank(rank: int, world: int):
+    """`latents(parallel=usp)` on one rank: the latents and whether ring hops were traced."""
+    pipe = VideoPipeline.from_preset("dit3d-tiny", seed=1)
+    tracer = Tracer(rank=rank, enabled=True)
+    latents = pipe.latents(PROMPT, **OPTIONS, parallel=ParallelConfig("usp", 2, ring=2, timeout_s=60), tracer=tracer)
+    return latents, any(" ring " in name for name, *_ in tracer.spans)
+
+
+def test_the_ring_schedules_go_through_the_pipelines_parallel_argument():
+    """usp (--ring 2 on 2 ranks: a ring of 2, chunks of 2) chosen by the config the pipeline takes."""
+    single = VideoPipeline.from_preset("dit3d-tiny", seed=1).latents(PROMPT, **OPTIONS)
+    for latents, hopped in spawn(_usp_rank, 2, timeout_s=60):
+        assert hopped and (latents - single).abs().max() <= 1e-5

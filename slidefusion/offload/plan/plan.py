@@ -13,12 +13,14 @@ from slidefusion import validate
 
 
 def parse_bytes(text: str | float, name: str) -> int:
-    """'141GB', '1.5TB', '64GiB', '55GB/s', or a plain number of bytes -> bytes >= 1 (a UserError
-    naming `name` otherwise: zero, negative, NaN and infinite sizes are refused, not read as "no limit")."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    """'141GB', '1.5TB', '64GiB', '55GB/s', or (from Python) a number of bytes -> bytes >= 1 (a UserError
+    naming `name` otherwise: zero, negative, NaN and infinite sizes are refused, not read as "no limit";
+    text without a unit is refused, as everywhere a user types a size)."""
+    number = isinstance(text, (int, float)) and not isinstance(text, bool)
+    if number:
         text = repr(text)
     per_second = str(text).strip().upper().endswith("/S")
-    return validate.byte_size(text, name, per_second=per_second)
+    return validate.byte_size(text, name, per_second=per_second, bare_bytes=number)
 
 
 def human(n: float) -> str:

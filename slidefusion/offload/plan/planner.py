@@ -148,18 +148,24 @@ def report(plan: Plan, title: str) -> str:
     return "\n".join(lines)
 
 
+def valid_frames(latent_frames: int, stride) -> int:
+    """Pixel frames of `latent_frames` latent frames through a causal video VAE of temporal stride
+    `stride[0]` (Wan, CogVideoX, HunyuanVideo, LTX, ours): 1 + t*k, the only lengths it accepts."""
+    return 1 + stride[0] * (latent_frames - 1)
+
+
 def largest_frames(shape: ModelShape, work: Workload, policy: OffloadPolicy, machine: Machine, pixels: tuple[int, int, int],
                    stride) -> int:
-    """The most frames (a multiple of the temporal stride, < `frames` of `pixels` (frames, height,
+    """The most frames (1 + t*k for the temporal stride t, < `frames` of `pixels` (frames, height,
     width)) whose plan fits; 0 if none."""
     frames, height, width = pixels
 
-    def fits(n: int) -> bool:
-        grid = grid_for(n, height, width, shape.patch, stride)
+    def fits(latent: int) -> bool:
+        grid = grid_for(valid_frames(latent, stride), height, width, shape.patch, stride)
         return plan_policy(shape, dataclasses.replace(work, tokens=math.prod(grid), frames=grid[0]), policy, machine).fits
 
-    low, high = 0, frames // stride[0]  # in latent frames; fits(low) holds by convention
+    low, high = 0, (frames - 2) // stride[0] + 1  # in latent frames, below `frames`; fits(low) holds by convention
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid * stride[0]) else (low, mid - 1)
-    return low * stride[0]
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return valid_frames(low, stride) if low else 0

@@ -23,9 +23,12 @@ Latents are the VAE posterior's mean (deterministic: the cache does not depend o
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -35,8 +38,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from slidefusion.families import TextConditioning
 from slidefusion.core.errors import UserError
+from slidefusion.families import TextConditioning
+from slidefusion.io.diskfull import writing
+from slidefusion.io.partial import remove_abandoned_files
 
 FORMAT = "slidefusion.finetune_cache/1"
 
@@ -68,16 +73,23 @@ def clip_identity(data, dataset, index: int) -> dict:
     return record
 
 
+TEMPORARY = re.compile(r"^\.[0-9a-f]{32}\.safetensors\.[a-z0-9_]+\.tmp$")  # what `_write` names its temporaries
+
+
 def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Write to a locked temporary, then rename: a kill leaves only a temporary no reader opens,
+    and the next `fill` removes it once its lock is free (`slidefusion.io.partial`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    finally:
+        os.close(fd)
 
 
 def _read(path: Path) -> dict[str, Tensor]:
@@ -100,6 +112,9 @@ class FinetuneCache:
         self.vae_id, self.text_id = _digest(vae_id), _digest(text_id)
         self.image_mode, self.image_id, self.latent_shape = (None, None, None) if image is None else \
             (image[0], _digest({"mode": image[0], "encoder": image[1], "vae": vae_id}), tuple(image[2]))
+        self.written: list[Path] = []  # by this process, so that a run stopped by bad input can take them back
+        self._folders = [p for p in (self.root / "latents", self.root / "text", self.root / "image", self.root)
+                         if not p.exists()]
 
     def image_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "image": self.image_id})
@@ -125,20 +140,44 @@ class FinetuneCache:
         from slidefusion.pretrained import encode_prompts
         from slidefusion.vae import DiffusersVideoAutoencoder
 
+        for folder in (self.root / "latents", self.root / "text", self.root / "image"):
+            remove_abandoned_files(folder, TEMPORARY)  # what a killed fill left; never a live writer's
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
             if parts.image_encoder is not None:
                 parts.image_encoder.to(device)
-            for i in tqdm(clips, desc="caching latents", disable=quiet, leave=False):
+            for n, i in enumerate(tqdm(clips, desc="caching latents", disable=quiet, leave=False)):
                 video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
-                _write(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT})
+                self._put(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT},
+                          len(clips) - n, "latents")
                 if self.image_mode is not None:
-                    _write(self.image_path(i), self._image_tensors(parts, video[0]), {"format": FORMAT})
-        for caption in tqdm(texts, desc="caching text", disable=quiet, leave=False):
+                    self._put(self.image_path(i), self._image_tensors(parts, video[0]), {"format": FORMAT},
+                              len(clips) - n, "image condition")
+        for n, caption in enumerate(tqdm(texts, desc="caching text", disable=quiet, leave=False)):
             text = encode_prompts(parts, [caption])
-            _write(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption})
+            self._put(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption},
+                      len(texts) - n, "text states")
         return len(clips) + len(texts)
+
+    def _put(self, path: Path, tensors: dict[str, Tensor], metadata: dict, left: int, what: str) -> None:
+        """Write one cache file; a full disk says how much the `left` files of its kind need."""
+        needed = left * sum(t.numel() * t.element_size() for t in tensors.values())
+        with writing(f"the {what} cache ({left} files to go)", self.root, needed,
+                     "the cache files written so far are complete, and the next run reuses them"):
+            _write(path, tensors, metadata)
+        self.written.append(path)
+
+    def discard_written(self) -> None:
+        """Delete the files this process wrote, and the cache folders they leave empty."""
+        for path in self.written:
+            path.unlink(missing_ok=True)
+        for folder in self._folders:  # the ones this process made
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                pass
+        self.written = []
 
     def _image_tensors(self, parts, video: Tensor) -> dict[str, Tensor]:
         """The condition of a clip (3, T, H, W) in [-1, 1]: its first frame, as an 8-bit image (what a
@@ -156,11 +195,19 @@ class FinetuneCache:
             tensors["states"] = states[0].float()
         return tensors
 
-    def image(self, indices: list[int]) -> tuple[Tensor | None, Tensor]:
-        """(CLIP states (B, L, D) or None, latent condition (B, C_v, T, H, W)) of a batch's clips."""
+    def with_image(self, text: TextConditioning, indices: list[int], dropout: float, generator: torch.Generator,
+                   device) -> TextConditioning:
+        """`text` with the batch's image condition from the cache (CLIP states (B, L, D) or None, latents
+        (B, C_v, T, H, W)) on `device`; with probability `dropout` (diffusion.image_dropout) the step
+        trains without it: zeros for Wan 2.1 I2V ("channels"), a text-to-video step for 2.2 TI2V."""
         rows = [_read(self.image_path(i)) for i in indices]
         states = torch.stack([r["states"] for r in rows]) if "states" in rows[0] else None
-        return states, torch.stack([r["video"] for r in rows])
+        video = torch.stack([r["video"] for r in rows])
+        if bool(torch.rand((), generator=generator) < dropout):
+            if self.image_mode == "first-frame":
+                return text
+            states, video = None if states is None else torch.zeros_like(states), torch.zeros_like(video)
+        return dataclasses.replace(text, image=None if states is None else states.to(device), video=video.to(device))
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

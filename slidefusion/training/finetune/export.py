@@ -30,7 +30,8 @@ import torch
 
 from slidefusion.core.errors import UserError, check
 from slidefusion.io.checkpoint import check_export_destination, first_nonfinite, load_checkpoint, resolve_checkpoint
-from slidefusion.io.export import DEFAULT_SHARD, write_lora, write_pipeline_folder
+from slidefusion.io.diskfull import folder_bytes, tensor_bytes, writing
+from slidefusion.io.export import DEFAULT_SHARD, copyable_entries, write_lora, write_pipeline_folder
 from slidefusion.pretrained import lora as lora_lib
 from slidefusion.run_config import SamplingConfig
 
@@ -78,8 +79,12 @@ def export_diffusers(source: str | Path, destination: str | Path, dtype: torch.d
     if config.lora.enabled:
         return _export_lora(folder, config, weights, destination), "LoRA weights (pipe.load_lora_weights(OUT))"
     expert = config.model.expert
-    write_pipeline_folder(folder.root, destination, expert, folder.transformer_dir(expert) / "config.json",
-                          _cast(weights, folder, expert, dtype), max_shard_size)
+    weights = _cast(weights, folder, expert, dtype)
+    copied = copyable_entries(folder.root, skip=expert)  # a named pipe or a link loop: refused before writing
+    needed = tensor_bytes(weights) + sum(folder_bytes(e) if e.is_dir() else e.stat().st_size for e in copied)
+    with _writing(destination, needed):
+        write_pipeline_folder(folder.root, destination, expert, folder.transformer_dir(expert) / "config.json",
+                              weights, max_shard_size)
     return destination, f"a {folder.pipeline_class} folder with the fine-tuned {expert}"
 
 
@@ -105,7 +110,8 @@ def export_comfyui(source: str | Path, destination: str | Path, dtype: torch.dty
         state = {names[k]: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
         name = file_name(_run_name(ckpt), folder, expert, dtype)
         what = f"a ComfyUI {adapter.class_name} (models/diffusion_models)"
-    return write_comfyui(destination, name, state), what
+    with _writing(destination, tensor_bytes(state)):
+        return write_comfyui(destination, name, state), what
 
 
 def _run_name(ckpt) -> str:
@@ -116,6 +122,11 @@ def _run_name(ckpt) -> str:
     check(isinstance(name, str) and RUN_NAME.match(name) is not None,
           f"checkpoint {ckpt.path}: config.json: run.name={name!r} must be a plain file name")
     return name
+
+
+def _writing(destination: Path, needed: int):
+    return writing(f"the export {destination.name}", destination.absolute().parent, needed,
+                   "the run, its base folder and any earlier --out are untouched")
 
 
 def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
@@ -130,4 +141,5 @@ def _export_lora(folder, config, weights: dict, destination: Path) -> Path:
     meta = build_on_meta(folder, config.model.expert)
     metadata = lora_lib.peft_config(meta, config.lora, folder.adapter(config.model.expert).lora_targets).to_dict()
     metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-    return write_lora(cls, destination, state, metadata)
+    with _writing(destination, tensor_bytes(state)):
+        return write_lora(cls, destination, state, metadata)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slidefusion import memory
+from slidefusion.core import validate
 from slidefusion.core.errors import UserError, check
 from slidefusion.offload import OffloadEngine, engine_blocks
 from slidefusion.offload.engine.fp8 import check_device
@@ -121,6 +122,8 @@ class FolderTask:
               f"lora.base_dtype={config.lora.base_dtype} stores the frozen base on the host for the offload engine; "
               "add --offload, or drop lora.base_dtype")
         self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
+        if data.cache_dir:  # a file there, or a folder nothing can be written to, fails now, not after loading
+            validate.output_path(data.cache_dir, "data.cache_dir", folder=True, inside=True)
         self.dataset = dataset_of(data)
         self.captions = [dataset_caption(self.dataset, i) for i in range(len(self.dataset))]
         self.run_dir, self.quiet = run_dir, quiet
@@ -162,6 +165,7 @@ class FolderTask:
             image = (self.image_mode, component_identity(self.folder, encoder), self.latent)
         cache = FinetuneCache(root, self.config.data, self.dataset, component_identity(self.folder, ["vae"]),
                               component_identity(self.folder, text_components), text, image)
+        self.cache = cache  # before filling: a stop on bad input midway takes back what was written
         clips, texts = cache.missing([*self.captions, ""])
         if clips or texts:
             parts = PretrainedParts.load(self.folder, transformers=False)
@@ -244,23 +248,12 @@ class FolderTask:
         text = type(text)(text.states.to(self.device), None if text.mask is None else text.mask.to(self.device),
                           None if text.pooled is None else text.pooled.to(self.device))
         if self.image_mode is not None:
-            text = self._with_image(text, indices, generator)
+            text = self.cache.with_image(text, indices, self.config.diffusion.image_dropout, generator, self.device)
 
         def loss(model: nn.Module) -> torch.Tensor:
             return self.objective.loss(model, latents, text, generator)
 
         return loss
-
-    def _with_image(self, text, indices: list[int], generator: torch.Generator):
-        """The batch's image conditioning from the cache; with probability diffusion.image_dropout the
-        step trains without it (zeros for Wan 2.1 I2V, a text-to-video step for Wan 2.2 TI2V)."""
-        states, video = self.cache.image(indices)
-        if bool(torch.rand((), generator=generator) < self.config.diffusion.image_dropout):
-            if self.image_mode == "first-frame":
-                return text
-            states, video = None if states is None else torch.zeros_like(states), torch.zeros_like(video)
-        to = (lambda x: None if x is None else x.to(self.device))  # noqa: E731
-        return dataclasses.replace(text, image=to(states), video=to(video))
 
     def weights(self, state: dict) -> dict:
         """Every weight, or LoRA's adapters only (and slide attention's offset networks)."""
@@ -281,3 +274,8 @@ class FolderTask:
 
     def after_save(self) -> None:
         pass
+
+    def discard_written(self) -> None:
+        """The cache files this run computed (see `Trainer`: a new run stopped by bad input)."""
+        if self.cache is not None:
+            self.cache.discard_written()

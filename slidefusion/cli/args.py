@@ -172,6 +172,15 @@ def _existing_folder(value: str) -> str:
 existing_folder = arg_type("folder", _existing_folder)
 
 
+def _existing_path(value: str) -> str:
+    if not Path(value).exists():
+        raise UserError(f"{value!r} does not exist")
+    return value
+
+
+existing_path = arg_type("path", _existing_path)  # a file or a folder
+
+
 def int_list(count: int | None = None, low: int = 1):
     """Comma-separated ints >= `low` ('1,2,4'), exactly `count` of them when given."""
 

@@ -21,10 +21,12 @@ PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace"
 
 def add_parser(sub) -> None:
     generate = sub.add_parser("generate", help="generate a video from a prompt")
-    generate.add_argument("--checkpoint", default=_REQUIRED, help="checkpoint folder or run folder (its latest)")
+    generate.add_argument("--checkpoint", default=_REQUIRED,
+                          help="checkpoint folder, run folder (its latest) or 'bundled' (the demo model)")
     generate.add_argument("--pretrained", metavar="DIR", type=types.existing_folder,
                           help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
                                "sampled with its own scheduler")
+    _add_folder_options(generate)
     generate.add_argument("--prompt", type=types.text, required=True)
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")
@@ -36,6 +38,22 @@ def add_parser(sub) -> None:
     types.add_sampling_options(generate)
     _add_parallel_options(generate)
     generate.set_defaults(func=run)
+
+
+def _add_folder_options(generate: argparse.ArgumentParser) -> None:
+    """What `--pretrained DIR` takes beside the folder: its weights, a LoRA, a first frame."""
+    generate.add_argument("--transformer", metavar="FILE", type=types.existing_file,
+                          help="with --pretrained: the transformer's weights from one .safetensors file (Wan's "
+                               "original layout, as the Wan repository and ComfyUI ship it, or diffusers')")
+    generate.add_argument("--lora", metavar="FILE_OR_DIR", type=types.existing_path,
+                          help="with --pretrained: a LoRA merged into the transformer, as `export --format diffusers` "
+                               "or `--format comfyui` writes it (Wan 2.2 A14B: a file named ..._high_noise or "
+                               "..._low_noise)")
+    generate.add_argument("--lora-scale", metavar="S", type=types.number(-100, 100), default=1.0,
+                          help="the LoRA's weight on top of its own alpha / rank (default 1)")
+    generate.add_argument("--image", metavar="PATH", type=types.existing_file,
+                          help="the first frame, for an image-to-video Wan folder (Wan 2.1 I2V, or Wan 2.2 TI2V's "
+                               "image mode) or a fine-tune of one")
 
 
 def _add_parallel_options(generate: argparse.ArgumentParser) -> None:
@@ -83,9 +101,23 @@ def parallel_config(args):
     return ParallelConfig(args.parallel, **{k: v for k, v in given.items() if v is not None})
 
 
+def _check_folder_options(args, parallel) -> None:
+    """The folder options against each other: each needs what it applies to."""
+    for flag, value, note in (("--transformer FILE", args.transformer, ""),
+                              ("--lora FILE_OR_DIR", args.lora, " (a fine-tune's --checkpoint holds its LoRA already)")):
+        if value and not args.pretrained:
+            raise UserError(f"{flag} applies to the transformer of a --pretrained DIR (a diffusers folder); add "
+                            f"--pretrained DIR{note}")
+    if args.lora_scale != 1.0 and not args.lora:
+        raise UserError("--lora-scale weighs a --lora FILE_OR_DIR; add --lora")
+    if args.image and parallel is not None:
+        raise UserError("--image does not run under --parallel yet; drop --parallel to sample on one device")
+
+
 def run(args) -> None:
     """Under torchrun a mistake is reported by rank 0 alone (`cli.main`, `leave_after_rank_zero`)."""
     parallel = parallel_config(args)
+    _check_folder_options(args, parallel)
     if args.pretrained:
         missing = [f"--{k}" for k in ("frames", "height", "width") if getattr(args, k) is None]
         if missing:
@@ -102,18 +134,22 @@ def _generate(args, parallel) -> None:
     out = Path(args.out)
     check_video_path(out)  # a bad file name must fail before minutes of sampling, not after
     output_path(out, "--out")
-    world = _check_folder(args, parallel) if args.pretrained else None
+    folder, world = _check_folder(args, parallel) if args.pretrained else (None, None)
+    image = _image(args, folder)
     if parallel is not None:
         from slidefusion.parallel.launch import pick_backend
 
         args.device = str(pick_backend()[1])
-    pipe = _pipeline(args)
+    pipe = _pipeline(args, folder)
     if parallel is not None and not args.pretrained:
         world = _check_models(_transformers(pipe), parallel)
+    if folder is None:  # a checkpoint: a fine-tune of an image-to-video folder takes one
+        image = _checkpoint_image(args, pipe)
     tracer, rank = _join(parallel, world)
     sizes = {"frames": args.frames, "height": args.height, "width": args.width}
+    extra = {} if image is None else {"image": image}
     latents = pipe.latents(args.prompt, **sizes, steps=args.steps, guidance=args.guidance, seed=args.seed,
-                           progress=rank == 0 and not args.quiet, parallel=parallel, tracer=tracer)
+                           progress=rank == 0 and not args.quiet, parallel=parallel, tracer=tracer, **extra)
     video = pipe.decode(latents, parallel=parallel)
     if rank == 0:
         _write(args, latents, video, pipe.fps)
@@ -123,21 +159,51 @@ def _generate(args, parallel) -> None:
         _report(args.trace, tracer)
 
 
-def _check_folder(args, parallel) -> int | None:
-    """The folder and the sizes (and the schedule on every transformer under --parallel), before any weight."""
-    from slidefusion.pretrained import check_generation, open_folder
+def _check_folder(args, parallel):
+    """(the opened folder, the world size or None): the folder with its --transformer file, the sizes,
+    a --lora (its layout, names and shapes against the folder's config) and the schedule on every
+    transformer under --parallel, before any weight."""
+    from slidefusion.pretrained import check_generation
+    from slidefusion.pretrained.source import open_folder_with
 
     if args.checkpoint is not _REQUIRED or args.init == "random" or args.model:
         raise UserError("--pretrained brings its own model: drop --checkpoint, --init random and --model")
+    folder = open_folder_with(args.pretrained, args.transformer, what="--transformer")
+    check_generation(folder, args.frames, args.height, args.width)
+    if args.lora:
+        from slidefusion.pretrained.lora_merge import lora_for
+
+        lora_for(folder, args.lora)
     if parallel is None:
-        check_generation(open_folder(args.pretrained), args.frames, args.height, args.width)
-        return None
+        return folder, None
     from slidefusion.parallel import launcher_world
     from slidefusion.pipeline.parallel import check_folder
 
     world = launcher_world()
-    check_folder(args.pretrained, parallel, world, args.frames, args.height, args.width)
-    return world
+    check_folder(folder, parallel, world, args.frames, args.height, args.width)
+    return folder, world
+
+
+def _image(args, folder):
+    """The --image of an image-to-video folder, read and checked against it before any weight loads."""
+    if folder is None:
+        return None
+    from slidefusion.pretrained.image import check_image_use, open_image
+
+    check_image_use(folder, bool(args.image))
+    return open_image(args.image) if args.image else None
+
+
+def _checkpoint_image(args, pipe):
+    """The --image of a checkpoint: a fine-tune of an image-to-video folder takes one, ours none."""
+    from slidefusion.pipeline import FolderPipeline
+
+    if isinstance(pipe, FolderPipeline):
+        return _image(args, pipe.parts.folder)
+    if args.image:
+        raise UserError("--image applies to image-to-video Wan folders (--pretrained DIR) and fine-tunes of them "
+                        "(--checkpoint RUN); this checkpoint is one of our own text-to-video models")
+    return None
 
 
 def _check_models(models, parallel) -> int:
@@ -170,11 +236,16 @@ def _join(parallel, world):
     return Tracer(rank=dist.get_rank(), enabled=True), dist.get_rank()
 
 
-def _pipeline(args):
+def _pipeline(args, folder):
     from slidefusion.pipeline import FolderPipeline, VideoPipeline
 
-    if args.pretrained:
-        return FolderPipeline.from_pretrained(args.pretrained, device=args.device)
+    if folder is not None:  # the opened folder (with its --transformer file); a --lora merged before the plans
+        pipe = FolderPipeline.from_pretrained(folder)
+        if args.lora:
+            from slidefusion.pretrained.lora_merge import apply_lora
+
+            apply_lora(pipe.parts, args.lora, args.lora_scale)
+        return pipe.to(args.device)
     if args.init == "random":
         if not args.model:
             raise UserError("--init random needs --model PRESET (e.g. stdit-tiny)")
@@ -185,7 +256,7 @@ def _pipeline(args):
         raise UserError("--model is only for --init random; a checkpoint brings its own model")
     if args.checkpoint is _REQUIRED:
         raise UserError("--checkpoint DIR is required unless --pretrained DIR or --init random --model PRESET is given")
-    return VideoPipeline.from_checkpoint(args.checkpoint, device=args.device)
+    return VideoPipeline.from_checkpoint(None if args.checkpoint == "bundled" else args.checkpoint, device=args.device)
 
 
 def _write(args, latents, video, fps: int) -> None:

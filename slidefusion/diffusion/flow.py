@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from slidefusion.core.errors import check
 from slidefusion.diffusion.rows import Rows, local_rows
-from slidefusion.errors import check
 
 
 @dataclass
@@ -20,6 +20,9 @@ class FlowConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     caption_dropout: float = 0.1  # the fraction of captions replaced by "" so CFG has an unconditional model
+    # image-to-video fine-tunes: the fraction of steps that train without the image (its states and
+    # latents zeroed; Wan 2.2 TI2V: a text-to-video step)
+    image_dropout: float = 0.0
     # The direction contrast (`contrastive_flow_loss`): weight of the hinge that asks the loss with
     # the caption's direction changed to exceed the true caption's by `contrast_margin`; 0 is off.
     direction_contrast: float = 0.0
@@ -29,6 +32,7 @@ class FlowConfig:
     def __post_init__(self):
         check(self.logit_std > 0, f"diffusion.logit_std={self.logit_std} must be > 0")
         check(0 <= self.caption_dropout < 1, f"diffusion.caption_dropout={self.caption_dropout} must be in [0, 1)")
+        check(0 <= self.image_dropout < 1, f"diffusion.image_dropout={self.image_dropout} must be in [0, 1)")
         check(0 <= self.direction_contrast <= 100,
               f"diffusion.direction_contrast={self.direction_contrast} must be in [0, 100] (0 is off)")
         check(0 < self.contrast_margin <= 10, f"diffusion.contrast_margin={self.contrast_margin} must be in (0, 10]")

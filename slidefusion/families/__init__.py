@@ -14,6 +14,7 @@ from slidefusion.families.records import (
     AttentionAccess,
     AttentionSite,
     BlockList,
+    ImageToVideo,
     ModelAccess,
     Objective,
     SwapRecord,
@@ -31,11 +32,12 @@ from slidefusion.families.registry import (
     adapter_for,
     adapter_for_class,
     adapters_with,
+    original_layout,
     supported_classes,
     vae_facts,
 )
 
 __all__ = ["ADAPTERS", "DIFFUSERS_CLASSES", "FAMILIES", "AttentionAccess", "AttentionSite", "BlockList",
-           "ModelAccess", "ModelAdapter", "Objective", "SwapRecord", "TextConditioning", "TextSpec", "TileSplit",
-           "TokenArg", "TokenTiling", "VaeFacts", "adapter_for", "adapter_for_class", "adapters_with", "config_value",
+           "ImageToVideo", "ModelAccess", "ModelAdapter", "Objective", "SwapRecord", "TextConditioning", "TextSpec", "TileSplit",
+           "TokenArg", "TokenTiling", "VaeFacts", "adapter_for", "adapter_for_class", "adapters_with", "config_value", "original_layout",
            "supported_classes", "vae_facts"]

@@ -26,6 +26,7 @@ from slidefusion.families.records import (
     AttentionAccess,
     AttentionSite,
     BlockList,
+    ImageToVideo,
     ModelAccess,
     Objective,
     SwapRecord,
@@ -75,7 +76,8 @@ class ModelAdapter:
     call: the family's call function (see CallFn); patch: config keys (or ints) of (pt, ph, pw);
     objective / text: what the model predicts and how its pipeline encodes prompts (None: ours);
     pipelines: the diffusers pipeline classes that run this transformer (export writes the first);
-    channels / text_dim / pooled_dim: config keys of the latent channels and the text widths;
+    channels / text_dim / pooled_dim: config keys of the latent channels (the noise's; a model's input
+        may add conditioning channels, Wan 2.1 I2V) and the text widths;
     input_layout: how the model's own forward receives latents, for `grid_from_call`: "BCTHW",
         "BTCHW" (CogVideoX, frames first) or "packed" (LTX: (B, N, C) tokens with num_frames/height/
         width keywords); check_latents: extra shape rules (Latte's video_length);
@@ -103,7 +105,11 @@ class ModelAdapter:
     presets: published model configs by name (what the offload planner sizes without a folder);
     widths: (model) -> (hidden width, heads, MLP width / hidden), for the offload planner (None: the
         planner does not size this family);
-    vae: the family's VAE classes (`VaeFacts`).
+    vae: the family's VAE classes (`VaeFacts`);
+    image_to_video: how the transformer takes a first frame (`ImageToVideo`; None: text only);
+    layout: the module that maps the family's original single-file layout (its own releases',
+        ComfyUI's) to diffusers' names and back (e.g. `slidefusion.io.wan_layout`: `original_name`,
+        `diffusers_name`, `layout_of`, `to_original`, `alpha_is_read`, `LORA_PREFIX`); None: none.
     """
 
     family: str
@@ -136,6 +142,8 @@ class ModelAdapter:
     presets: Mapping[str, Mapping] = field(default_factory=_empty)
     widths: Callable[[nn.Module], tuple[int, int, float]] | None = None
     vae: VaeFacts = VaeFacts()
+    image_to_video: ImageToVideo | None = None
+    layout: Any = None
 
     def with_options(self, **options) -> ModelAdapter:
         """This adapter with some `options` changed; UserError for an option the family lacks."""
@@ -197,7 +205,8 @@ class ModelAdapter:
         shape = tuple(hidden.shape)
         if self.input_layout == "BTCHW":
             shape = (shape[0], shape[2], shape[1], shape[3], shape[4])
-        return self.token_grid(model, shape)
+        # the model's own input may carry conditioning channels beside the latents (Wan 2.1 I2V)
+        return self.token_grid(model, (shape[0], self.latent_channels(model), *shape[2:]))
 
     # ------------------------------------------------------------------ calling
     def raw_output(self, model: nn.Module, latents: Tensor, timesteps, text: TextConditioning) -> Tensor:

@@ -30,6 +30,9 @@ class TextConditioning:
     guidance: embedded guidance scale for guidance-distilled models (HunyuanVideo), in the
         pipeline's `guidance_scale` units (a float, or a (B,) tensor); None: the family default.
     image: (B, L_img, D_img) image encoder states (Wan 2.1 image-to-video), or None.
+    video: (B, C_v, T, H, W) latent conditioning read beside the latents (Wan 2.1 image-to-video: the
+        mask and the first frame's latents, stacked on the channels; Wan 2.2 TI2V: the first latent
+        frame, C_v = C and T = 1, which stands in for the latents' own), or None.
     """
 
     states: Tensor
@@ -37,6 +40,7 @@ class TextConditioning:
     pooled: Tensor | None = None
     guidance: float | Tensor | None = None
     image: Tensor | None = None
+    video: Tensor | None = None
 
     def __post_init__(self):
         check(isinstance(self.states, Tensor) and self.states.ndim == 3,
@@ -209,13 +213,31 @@ class SwapRecord:
         computes its own projections, QK-norm and RoPE and then calls softmax attention once per
         call, or once per sample: Mochi); empty for our own models, whose grid operators are
         replaced as modules. text: where a joint block's text tokens sit in that attention's
-        sequence, "first" (CogVideoX), "last" (HunyuanVideo, Mochi) or None (video tokens only)."""
+        sequence, "first" (CogVideoX), "last" (HunyuanVideo, Mochi) or None (video tokens only).
+    grid_bound: a config key bounding every token-grid axis the model can take (Wan: its RoPE
+        table's length), or None; a window wider than it is built no wider (`SlideOptions.clamped`)."""
 
     processors: tuple[str, ...] = ()
     text: str | None = None
+    grid_bound: str | None = None
 
     def __post_init__(self):
         assert self.text in (None, "first", "last"), self.text
+
+
+@dataclass(frozen=True)
+class ImageToVideo:
+    """How a family's transformer takes a first frame besides the prompt.
+
+    pipeline: the diffusers image-to-video pipeline class whose own `encode_image` and
+    `prepare_latents` build the condition (so a seed samples what that pipeline samples).
+    mode(transformer config, adapter options) -> "channels" (image encoder states for the
+    cross-attention, and a mask + first-frame latents stacked beside the latents), "first-frame"
+    (the image's latents stand in for the first latent frame, its tokens at timestep 0), or None:
+    this configuration takes no image."""
+
+    pipeline: str
+    mode: Callable[[Mapping, Mapping], str | None]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,15 @@ def adapters_with(field: str) -> list[ModelAdapter]:
     return [a for a in _ALL if getattr(a, field)]
 
 
+def original_layout(adapter: ModelAdapter, what: str):
+    """The module of `adapter`'s original single-file layout (`ModelAdapter.layout`), or a UserError
+    (`what` leads it) naming the classes that have one."""
+    if adapter.layout is None:
+        raise UserError(f"{what} has no layout for {adapter.class_name}; supported: "
+                        f"{', '.join(a.class_name for a in adapters_with('layout'))}")
+    return adapter.layout
+
+
 def vae_facts(vae_class: str):
     """(image VAE?, its decoder split or None) for a VAE class name, from the families that ship it."""
     image = any(vae_class in a.vae.image for a in _ALL)

@@ -9,17 +9,20 @@ the published sizes the offload planner knows, and where its VAE's decoder split
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
 
 from slidefusion.core.errors import check
+from slidefusion.io import wan_layout
 from slidefusion.families.base import ModelAdapter
 from slidefusion.families.records import (
     ROWS,
     AttentionAccess,
     BlockList,
+    ImageToVideo,
     ModelAccess,
     Objective,
     SwapRecord,
@@ -43,13 +46,31 @@ PROCESSOR = "WanAttnProcessor"  # the stock processor of its self-attention
 
 
 def _call_wan(adapter: ModelAdapter, model: nn.Module, x: Tensor, t: Tensor, text: TextConditioning) -> Tensor:
+    first_frame = adapter.options["expand_timesteps"] and text.video is not None
     if adapter.options["expand_timesteps"] and t.ndim == 1:
-        # Wan 2.2 TI2V: one timestep per video token, as WanPipeline builds them (all equal for text-to-video)
-        t = t[:, None].expand(-1, adapter.tokens(model, x.shape))
+        # Wan 2.2 TI2V: one timestep per video token, as WanPipeline builds them (all equal for text-to-video;
+        # WanImageToVideoPipeline's image mode gives the first latent frame's tokens timestep 0)
+        per_token = t[:, None].expand(-1, adapter.tokens(model, x.shape))
+        if first_frame:
+            per_frame = math.prod(adapter.token_grid(model, x.shape)[1:])
+            per_token = torch.cat([torch.zeros_like(per_token[:, :per_frame]), per_token[:, per_frame:]], dim=1)
+        t = per_token
+    if first_frame:  # the condition's latents stand in for the first latent frame
+        x = torch.cat([text.video.to(x.dtype), x[:, :, 1:]], dim=2)
+    elif text.video is not None:  # Wan 2.1 I2V: mask and first-frame latents beside the latents
+        x = torch.cat([x, text.video.to(x.dtype)], dim=1)
     # WanPipeline zero-pads the prompt states to max_sequence_length and passes no mask.
     states = text.states if text.mask is None else text.states * text.mask[..., None].to(text.states.dtype)
     return model(hidden_states=x, timestep=t, encoder_hidden_states=states,
                  encoder_hidden_states_image=text.image, return_dict=False)[0]
+
+
+def _image_mode(config, options) -> str | None:
+    """Wan 2.1 I2V (an image projection, or more input than output channels): "channels"; Wan 2.2
+    TI2V (`expand_timesteps`): "first-frame"; text-to-video: None (`ImageToVideo`)."""
+    if config.get("image_dim") is not None or int(config.get("in_channels", 0)) != int(config.get("out_channels") or 0):
+        return "channels"
+    return "first-frame" if options["expand_timesteps"] else None
 
 
 def _check_wan(adapter, model, shape):
@@ -137,7 +158,7 @@ def _widths(model: nn.Module) -> tuple[int, int, float]:
 
 
 WAN = ModelAdapter(
-    family="wan", class_name="WanTransformer3DModel",
+    family="wan", class_name="WanTransformer3DModel", channels="out_channels",  # I2V: in = latents + condition
     block_lists=(BlockList("blocks", "full", "attn1"),),
     call=_call_wan, patch=("patch_size.0", "patch_size.1", "patch_size.2"),
     objective=Objective("flow", "sigma", 1000.0, "UniPCMultistepScheduler", velocity="noise-x0"),
@@ -150,7 +171,7 @@ WAN = ModelAdapter(
     token_tiling=TokenTiling(MappingProxyType({"hidden_states": TokenArg(1), "temb": TokenArg(1, ndim=4),
                                                "rotary_emb": TokenArg(1)}), (PROCESSOR,)),
     encode=encode_states_only, sample=_sample,
-    swap=SwapRecord((PROCESSOR,)),
+    swap=SwapRecord((PROCESSOR,), grid_bound="rope_max_seq_len"),  # its RoPE table's length
     parallel=ModelAccess(
         output="proj_out", layout=ROWS,
         batched=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
@@ -161,6 +182,8 @@ WAN = ModelAdapter(
     # Its decoder is local after the mid-block: the up path splits by columns (parallel decode).
     vae=VaeFacts(splits=MappingProxyType({"AutoencoderKLWan": TileSplit(
         "decoder.mid_block", ("decoder.up_blocks", "decoder.norm_out", "decoder.conv_out"))})),
+    image_to_video=ImageToVideo("WanImageToVideoPipeline", _image_mode),
+    layout=wan_layout,  # the Wan repository's names, which ComfyUI loads and names LoRA modules by
 )
 
 ADAPTERS = (WAN,)

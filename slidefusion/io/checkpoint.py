@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.io.files import atomic_folder
 
 CONFIG, MODEL, EMA, STATE = "config.json", "model.safetensors", "ema.safetensors", "state.pt"
@@ -58,9 +58,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 base's frozen codes: quantised from finite weights, never written
+
+
 def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
     """The name of the first floating-point tensor holding NaN or infinity, or None."""
-    return next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    return next((k for k, v in weights.items()
+                 if v.is_floating_point() and v.dtype not in _FP8 and not torch.isfinite(v).all()), None)
 
 
 def contiguous_state(module_or_state: nn.Module | dict) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ component's config lives, and a model's safetensors weights (read shard by shard
                       (transformer/ vae/ text_encoder/ tokenizer/ scheduler/ ...)
     model folder      config.json (with `_class_name`) and diffusion_pytorch_model*.safetensors:
                       a bare transformer, a VAE
+    LoRA folder       pytorch_lora_weights.safetensors alone (`save_lora_weights`): no model, an
+                      adapter for one (read by `slidefusion.io.lora_files`)
 Weights are one `WEIGHTS` file, or numbered shards and `WEIGHTS_INDEX` mapping each tensor to its shard.
 """
 
@@ -21,7 +23,8 @@ from slidefusion.io.safetensors_stream import TensorEntry, read_header
 MODEL_INDEX, CONFIG = "model_index.json", "config.json"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX = WEIGHTS + ".index.json"
-PIPELINE, MODEL = "pipeline", "model"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+PIPELINE, MODEL, LORA = "pipeline", "model", "lora"
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -35,12 +38,15 @@ def read_json(path: Path, what: str) -> dict:
 
 
 def folder_kind(path: str | Path) -> str | None:
-    """PIPELINE (model_index.json), MODEL (config.json), or None (neither, or not a folder)."""
+    """PIPELINE (model_index.json), MODEL (config.json), LORA (LoRA weights alone), or None (none of
+    them, or not a folder)."""
     path = Path(path).expanduser()
     if (path / MODEL_INDEX).is_file():
         return PIPELINE
     if (path / CONFIG).is_file():
         return MODEL
+    if (path / LORA_WEIGHTS).is_file():
+        return LORA
     return None
 
 

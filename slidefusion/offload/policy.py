@@ -131,6 +131,10 @@ class OffloadPolicy:
     optim: OptimConfig = field(default_factory=engine_optim, metadata=PROGRAM_SET)  # the trainer: optim:
     spill_reserve: int = field(default=0, metadata=PROGRAM_SET)  # disk bytes reserved before the first
     # step (later steps: what the last one spilled); the planner's figure
+    # An fp8 base (`fp8.FP8_DTYPES`): the frozen weights on the host as 1-byte codes + float32 scales,
+    # per output "channel" or per "tensor". The trainer sets both from lora.base_dtype / base_scales.
+    frozen_dtype: torch.dtype | None = field(default=None, metadata=PROGRAM_SET)
+    frozen_scales: str = field(default="channel", metadata=PROGRAM_SET)
 
     def __post_init__(self):
         setattr_ = object.__setattr__.__get__(self)
@@ -157,6 +161,17 @@ class OffloadPolicy:
         if self.device is not None:
             self.torch_device  # noqa: B018 - validates the device where it is given
         check(not (self.zero_copy and self.device_type != "cpu"), f"zero_copy=True needs device='cpu', not {self.device!r}")
+        if self.frozen_dtype is not None:
+            self._check_frozen()
+
+    def _check_frozen(self) -> None:
+        from slidefusion.offload.engine.fp8 import FP8_DTYPES, SCALES
+
+        check(self.frozen_dtype in FP8_DTYPES.values(), f"frozen_dtype={self.frozen_dtype} is unsupported; "
+                                                         f"valid: None, {', '.join(f'torch.{k}' for k in FP8_DTYPES)}")
+        check(self.frozen_scales in SCALES, f"frozen_scales={self.frozen_scales!r} is unknown; valid: {', '.join(SCALES)}")
+        check(not self.zero_copy, "zero_copy=True computes from the host buffers in place, which an fp8 base "
+                                  "(frozen_dtype) does not hold as values; leave zero_copy unset")
 
     def _check_memory(self, setattr_) -> None:
         """The byte sizes as ints, the spill folder, and what needs recomputed blocks."""
@@ -203,7 +218,10 @@ class OffloadPolicy:
 
     @property
     def direct(self) -> bool:
-        """The device computes from the host buffers themselves: no uploads, no downloads."""
+        """The device computes from the host buffers themselves: no uploads, no downloads. Not with
+        an fp8 base: its blocks are decoded into device buffers, a CPU "device" included."""
+        if self.frozen_dtype is not None:
+            return False
         return self.zero_copy if self.zero_copy is not None else self.device_type == "cpu"
 
     @property

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slidefusion import validate
-from slidefusion.errors import NonFiniteError, UserError, check
+from slidefusion.core import validate
+from slidefusion.core.errors import NonFiniteError, UserError, check
 from slidefusion.io.files import atomic_file
 
 OUTPUT_TYPES = ("np", "pt", "latent")
@@ -107,7 +107,7 @@ class DiffusersCall:
                  width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                  generator=None, output_type: str = "np", return_dict: bool = True, seed: int | None = None,
                  frames: int | None = None, steps: int | None = None, guidance: float | None = None,
-                 progress: bool = False, parallel=None):
+                 progress: bool = False, parallel=None, image=None):
         """Sample videos; see the module docstring. Returns a `VideoPipelineOutput` (a tuple
         `(frames,)` with return_dict=False, as diffusers). `parallel`: a `ParallelConfig` to run across
         the ranks of the initialised process group (`slidefusion.pipeline.parallel`)."""
@@ -122,8 +122,9 @@ class DiffusersCall:
         validate.finite(scale, "guidance_scale", 0)
         check(isinstance(steps, int) and steps >= 1, f"num_inference_steps={steps!r} must be an int >= 1")
         noise = noise_from(generator, seed, len(prompts), self.draw_noise)
+        extra = {} if image is None else {"image": image}  # the first frame of an image-to-video folder
         latents = self.sample_latents(prompts, negatives, noise, steps=steps, guidance=float(scale), progress=progress,
-                                      parallel=parallel, **sizes)
+                                      parallel=parallel, **sizes, **extra)
         result = latents if output_type == "latent" else _frames(self.decode_batch(latents, parallel), output_type)
         return VideoPipelineOutput(result) if return_dict else (result,)
 

@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slidefusion import validate
-from slidefusion.errors import UserError, check
+from slidefusion.core import validate
+from slidefusion.core.errors import UserError, check
 from slidefusion.io.checkpoint import first_nonfinite
 from slidefusion.io.diffusers import is_pipeline_folder as is_diffusers_folder  # noqa: F401  (re-exported)
 from slidefusion.io.files import atomic_folder
 from slidefusion.pipeline.call import OPENERS, DiffusersCall, NoiseFn, check_finite, refuse_existing
 from slidefusion.pipeline.parallel import maybe_parallel
-from slidefusion.processors import use_slide_attention
+from slidefusion.swap import use_slide_attention
 
 
 @dataclass
@@ -37,10 +37,13 @@ class FolderPipeline(DiffusersCall):
     device: torch.device
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FolderPipeline:
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        transformer: str | Path | None = None) -> FolderPipeline:
+        """The folder's components; `transformer`: a single-file transformer replacing its own weights."""
         from slidefusion.pretrained import PretrainedParts
+        from slidefusion.pretrained.source import open_folder_with
 
-        return cls(PretrainedParts.load(path, dtype), torch.device("cpu")).to(device)
+        return cls(PretrainedParts.load(open_folder_with(path, transformer), dtype), torch.device("cpu")).to(device)
 
     @classmethod
     def from_checkpoint(cls, ckpt, config, device: str = "cpu") -> FolderPipeline:
@@ -48,8 +51,10 @@ class FolderPipeline(DiffusersCall):
         every weight of a full fine-tune, or LoRA's adapters added to the base; a run with
         model.attention=slide samples with the slide attention (and offsets) it trained."""
         from slidefusion.pretrained import PretrainedParts, lora
+        from slidefusion.pretrained.source import open_folder_with
 
-        parts = PretrainedParts.load(config.model.pretrained)
+        parts = PretrainedParts.load(open_folder_with(config.model.pretrained, config.model.transformer,
+                                                      config.model.expert))
         names = [e.name for e in parts.folder.experts()]
         model = parts.experts[names.index(config.model.expert)][0]
         weights = ckpt.sampling_weights
@@ -66,6 +71,15 @@ class FolderPipeline(DiffusersCall):
                             f"(e.g. {(expected_missing or unexpected)[0]}); was the folder changed since the run?")
         model.eval()
         return cls(parts, torch.device("cpu")).to(device)
+
+    def load_lora(self, path: str | Path, scale: float = 1.0) -> FolderPipeline:
+        """Merge a LoRA (a file, or a folder holding one) into the transformer it was trained for:
+        `export --format diffusers` or `--format comfyui` output (see `slidefusion.io.lora_files`),
+        weighted by `scale` on top of its own alpha / rank. Returns self."""
+        from slidefusion.pretrained.lora_merge import apply_lora
+
+        apply_lora(self.parts, path, validate.finite(scale, "lora_scale"), "lora")
+        return self
 
     def save_pretrained(self, path: str | Path, force: bool = False) -> Path:
         """A diffusers pipeline folder of these components, written by the family's pipeline class."""
@@ -92,7 +106,7 @@ class FolderPipeline(DiffusersCall):
         """Move every component (transformers, text encoders, VAE); returns self."""
         self.device = validate.device(str(device), "device")
         for module in [m for m, _ in self.parts.experts] + [self.parts.text_encoder, self.parts.text_encoder_2,
-                                                             self.parts.vae]:
+                                                             self.parts.vae, self.parts.image_encoder]:
             if module is not None:
                 module.to(self.device)
         return self
@@ -138,32 +152,37 @@ class FolderPipeline(DiffusersCall):
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 30, guidance: float = 5.0, seed: int = 0, negative_prompt: str = "",
-                progress: bool = True, parallel=None, tracer=None) -> Tensor:
+                progress: bool = True, parallel=None, tracer=None, image=None) -> Tensor:
         """Final latents (1, C, T', H', W') of one prompt, noise from `seed`; across the ranks under
-        `parallel` (a `ParallelConfig`; every rank calls alike and gets the same latents)."""
+        `parallel` (a `ParallelConfig`; every rank calls alike and gets the same latents); `image`: the
+        first frame (a PIL image) of an image-to-video model."""
         return self.latents_batch([prompt], [seed], frames=frames, height=height, width=width, steps=steps,
                                   guidance=guidance, negative_prompt=negative_prompt, progress=progress,
-                                  parallel=parallel, tracer=tracer)
+                                  parallel=parallel, tracer=tracer, image=image)
 
     @torch.no_grad()
     def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
                       height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 5.0,
-                      negative_prompt: str = "", progress: bool = False, parallel=None, tracer=None) -> Tensor:
+                      negative_prompt: str = "", progress: bool = False, parallel=None, tracer=None,
+                      image=None) -> Tensor:
         """Latents (B, C, T', H', W'); video i starts from the noise of seed `seeds[i]` alone."""
         noise = self.seeded_noise(prompts, seeds)
         sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=frames, height=height, width=width).items()
                                            if v is not None}}
         return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=sizes.get("frames"),
                                    height=sizes.get("height"), width=sizes.get("width"), steps=steps,
-                                   guidance=guidance, progress=progress, parallel=parallel, tracer=tracer)
+                                   guidance=guidance, progress=progress, parallel=parallel, tracer=tracer,
+                                   image=image)
 
     @torch.no_grad()
     def sample_latents(self, prompts: list[str], negatives: list[str], noise: NoiseFn, *, frames: int | None,
                        height: int | None, width: int | None, steps: int, guidance: float,
-                       progress: bool = False, parallel=None, tracer=None) -> Tensor:
+                       progress: bool = False, parallel=None, tracer=None, image=None) -> Tensor:
         """Latents (B, C, T', H', W') from `noise(shape)`, by the folder's scheduler loop; under
-        `parallel` with the folder's transformers parallel for the call."""
+        `parallel` with the folder's transformers parallel for the call; `image` (a PIL image)
+        conditions an image-to-video model (`slidefusion.pretrained.image`)."""
         from slidefusion.pretrained import denoise, encode_prompts, latent_shape
+        from slidefusion.pretrained.image import check_image_use, image_condition
 
         parts = self.parts
         for key, value in (("frames", frames), ("height", height), ("width", width)):
@@ -177,6 +196,11 @@ class FolderPipeline(DiffusersCall):
         cond = encode_prompts(parts, prompts)
         guided = guidance != 1.0 and parts.adapter.guidance == "cfg"
         uncond = encode_prompts(parts, negatives) if guided else None
+        if check_image_use(parts.folder, image is not None, "image") is not None and image is not None:
+            check(parallel is None, "image= does not run under parallel= yet; sample it in one process")
+            states, video = image_condition(parts, image, initial, frames, height, width)
+            cond = dataclasses.replace(cond, image=states, video=video)  # the same image for both halves of CFG
+            uncond = None if uncond is None else dataclasses.replace(uncond, image=states, video=video)
         with maybe_parallel([model for model, _ in parts.experts], parallel, tuple(initial.shape), guidance, tracer):
             latents = denoise(parts, initial, cond, uncond, steps, guidance, progress)
         check_finite(latents, guidance, steps)

@@ -3,12 +3,16 @@
     model:
       pretrained: Wan2.1-T2V-1.3B-Diffusers   # a local diffusers pipeline folder
       expert: transformer                      # Wan 2.2 A14B: transformer (high noise) or transformer_2
+      transformer: wan2.1_t2v_1.3B_bf16.safetensors   # optional: that expert's weights from one file
+                                               # (Wan's original layout, as ComfyUI ships it, or diffusers')
       attention: slide                         # dense (stock) | slide | neighborhood: adapt to slide attention
-      attention_options: {kernel_size: [3, 7, 7], offset_mode: sample}   # see slidefusion.processors.SlideOptions
+      attention_options: {kernel_size: [3, 7, 7], offsets: sample}   # see slidefusion.swap.SlideOptions
     lora:
       rank: 16                                 # null: full fine-tune
       alpha: 16                                # default: the rank
       target_modules: [to_q, to_k, to_v, to_out.0]   # default: the family's attention projections
+      base_dtype: float8_e4m3fn                # with --offload: the frozen base on the host as fp8 codes
+      base_scales: channel                     # fp8 scales per output channel (or per tensor)
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from slidefusion import validate
-from slidefusion.errors import UserError, check
+from slidefusion.core import validate
+from slidefusion.core.errors import UserError, check, choose
 from slidefusion.io.config import build
 from slidefusion.models.config import ModelConfig, preset
-from slidefusion.processors.config import configured_options
+from slidefusion.swap.config import configured_options
 
 EXPERTS = ("transformer", "transformer_2")
 
@@ -32,6 +36,9 @@ class PretrainedModelConfig:
 
     pretrained: str
     expert: str = "transformer"
+    # A single-file transformer whose weights replace the expert's own (the folder's config.json still
+    # defines the model; text encoders, VAE and scheduler come from the folder).
+    transformer: str | None = None
     # The video self-attention: "dense" keeps the stock processors; "slide" / "neighborhood" swap
     # them (`use_slide_attention`) with these options, offset networks starting at zero.
     attention: str = "dense"
@@ -43,6 +50,10 @@ class PretrainedModelConfig:
         # absolute, so the run's config.json (which generate, export and --resume read) names the same
         # folder from any working directory
         self.pretrained = os.path.abspath(os.path.expanduser(self.pretrained))
+        if self.transformer is not None:
+            check(isinstance(self.transformer, str) and self.transformer.strip() != "",
+                  f"model.transformer={self.transformer!r} must name a .safetensors transformer file")
+            self.transformer = os.path.abspath(os.path.expanduser(self.transformer))
         check(self.expert in EXPERTS, f"model.expert={self.expert!r} is unknown; valid: {', '.join(EXPERTS)}")
         configured_options(self.attention, self.attention_options)  # bad options fail when the config is built
 
@@ -60,6 +71,10 @@ class LoraConfig:
     rank: int | None = None
     alpha: float | None = None
     target_modules: list[str] | None = None
+    # The frozen base weights with --offload: null keeps them in offload.compute_dtype; an fp8 dtype
+    # stores and streams them as 1-byte codes with float32 scales, dequantised per block on the device.
+    base_dtype: str | None = None
+    base_scales: str = "channel"  # "channel" (one scale per output row) or "tensor"
 
     def __post_init__(self):
         if self.rank is not None:
@@ -72,10 +87,23 @@ class LoraConfig:
             check(len(self.target_modules) > 0 and all(isinstance(m, str) and m.strip() for m in self.target_modules),
                   f"lora.target_modules={self.target_modules!r} must be a non-empty list of module names, "
                   "e.g. [to_q, to_k, to_v, to_out.0]")
+        from slidefusion.offload.engine.fp8 import FP8_DTYPES, SCALES
+
+        choose(self.base_dtype, (None, *FP8_DTYPES), "lora.base_dtype")  # None: the compute dtype
+        choose(self.base_scales, SCALES, "lora.base_scales")
+        check(self.base_dtype is None or self.enabled,
+              f"lora.base_dtype={self.base_dtype} stores a LoRA run's frozen base; set lora.rank (e.g. 16) too")
 
     @property
     def enabled(self) -> bool:
         return self.rank is not None
+
+    @property
+    def base_torch_dtype(self):
+        """The torch dtype of `base_dtype`, or None."""
+        from slidefusion.offload.engine.fp8 import FP8_DTYPES
+
+        return None if self.base_dtype is None else FP8_DTYPES[self.base_dtype]
 
     @property
     def scale_alpha(self) -> float:

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slidefusion.families import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
+from slidefusion.families import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class, original_layout
 from slidefusion.io.diffusers import (  # noqa: F401  (WEIGHTS, WEIGHTS_INDEX, read_json: re-exported)
     CONFIG,
+    LORA,
     MODEL,
     MODEL_INDEX,
     PIPELINE,
@@ -27,6 +28,7 @@ from slidefusion.io.diffusers import (  # noqa: F401  (WEIGHTS, WEIGHTS_INDEX, r
     weight_entries,
 )
 from slidefusion.io.safetensors_stream import TensorEntry
+from slidefusion.io.single_file import single_file_entries
 from slidefusion.pretrained.index_check import check_index, check_option, check_scheduler
 
 _VALID = ("valid: a diffusers pipeline folder (model_index.json + transformer/ vae/ text_encoder/ tokenizer/ "
@@ -44,10 +46,14 @@ class Expert:
 
 @dataclass(frozen=True)
 class PretrainedFolder:
-    """A checked local diffusers folder; `index` is model_index.json (None for a bare transformer)."""
+    """A checked local diffusers folder; `index` is model_index.json (None for a bare transformer).
+    `transformer_files`: transformer name -> a single-file transformer whose weights replace that
+    transformer's own (its config.json still defines the model; see `slidefusion.io.single_file`,
+    set by `slidefusion.pretrained.source.open_folder_with`)."""
 
     root: Path
     index: Mapping | None
+    transformer_files: Mapping[str, Path] = field(default_factory=dict)
     configs: dict = field(default_factory=dict, compare=False, repr=False)  # transformer config.json by name, read once
 
     @property
@@ -134,12 +140,24 @@ class PretrainedFolder:
         return config
 
     def weight_entries(self, name: str = "transformer") -> list[TensorEntry]:
-        """Every tensor of a transformer's weights, shard by shard, after checking the shard index."""
-        return weight_entries(self.transformer_dir(name))
+        """Every tensor of a transformer's weights, shard by shard, after checking the shard index
+        (or those of its single file, under diffusers' names)."""
+        file = self.transformer_files.get(name if self.is_pipeline else "")  # a bare folder's one transformer is ""
+        if file is None:
+            return weight_entries(self.transformer_dir(name))
+        adapter = self.adapter(name)
+        layout = original_layout(adapter, "model.transformer: a single-file transformer")
+        return single_file_entries(file, layout, adapter.class_name)
 
 
-def open_folder(path: str | Path) -> PretrainedFolder:
-    """Check that `path` is a local diffusers folder of a supported model; see the module docstring."""
+def open_folder(path: str | Path | PretrainedFolder) -> PretrainedFolder:
+    """Check that `path` is a local diffusers folder of a supported model; see the module docstring.
+    An opened folder is returned as it is (with any single-file transformer it was given:
+    `slidefusion.pretrained.source.open_folder_with`)."""
+    return path if isinstance(path, PretrainedFolder) else _open(path)
+
+
+def _open(path: str | Path) -> PretrainedFolder:
     root = Path(path).expanduser()
     check(root.is_dir(), f"pretrained={path} is not a directory; {_VALID}")
     kind = folder_kind(root)
@@ -151,6 +169,9 @@ def open_folder(path: str | Path) -> PretrainedFolder:
         check("_class_name" in config, f"pretrained={path}: config.json has no _class_name, so it is not a "
                                        f"diffusers model; {_VALID}")
         folder = PretrainedFolder(root, None)
+    elif kind == LORA:
+        raise UserError(f"pretrained={path} holds LoRA weights, not a model: give the base model's folder as "
+                        f"pretrained and this one as --lora {path}")
     else:
         raise UserError(f"pretrained={path} is not a diffusers model folder (no model_index.json or config.json); {_VALID}")
     for name in folder.transformer_names:

@@ -25,7 +25,8 @@ from slidefusion.pretrained.folder import PretrainedFolder, open_folder
 class PretrainedParts:
     """A folder's components on the CPU. `experts`: (transformer, lowest timestep it denoises) from
     high noise to low (one entry, or Wan 2.2 A14B's two; empty when loaded without transformers).
-    `tokenizer_2` / `text_encoder_2`: HunyuanVideo's CLIP."""
+    `tokenizer_2` / `text_encoder_2`: HunyuanVideo's CLIP; `image_encoder` / `image_processor`:
+    Wan 2.1 I2V's CLIP vision tower."""
 
     folder: PretrainedFolder | None
     adapter: ModelAdapter
@@ -36,6 +37,8 @@ class PretrainedParts:
     scheduler: object
     tokenizer_2: object = None
     text_encoder_2: nn.Module | None = None
+    image_encoder: nn.Module | None = None  # Wan 2.1 I2V's CLIP vision tower, and its image processor
+    image_processor: object = None
     _pipeline: object = field(default=None, repr=False)
 
     @classmethod
@@ -43,7 +46,7 @@ class PretrainedParts:
              transformers: bool = True) -> PretrainedParts:
         """Every component of a pipeline folder (`dtype` for the transformers), or a one-line UserError."""
         from slidefusion.pretrained.build import load_transformer
-        from slidefusion.pretrained.components import load_scheduler, load_text_encoders, load_vae
+        from slidefusion.pretrained.components import load_component, load_scheduler, load_text_encoders, load_vae
 
         folder = path if isinstance(path, PretrainedFolder) else open_folder(path)
         require_pipeline(folder, "this")
@@ -52,7 +55,10 @@ class PretrainedParts:
         encoders = load_text_encoders(folder)
         experts = [(load_transformer(folder, e.name, dtype).eval(), e.low) for e in folder.experts()] if transformers else []
         second = encoders[1] if len(encoders) > 1 else (None, None)
-        return cls(folder, adapter, experts, *encoders[0], vae, load_scheduler(folder), *second)
+        image = [load_component(folder, name) if name in folder.components() else None
+                 for name in ("image_encoder", "image_processor")]
+        return cls(folder, adapter, experts, *encoders[0], vae, load_scheduler(folder), *second,
+                   None if image[0] is None else image[0].eval(), image[1])
 
     @property
     def transformer(self) -> nn.Module:

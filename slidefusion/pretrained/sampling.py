@@ -111,15 +111,17 @@ def _join(cond: TextConditioning, uncond: TextConditioning) -> TextConditioning:
         return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[1])) if x.ndim == 3 else \
             torch.nn.functional.pad(x, (0, length - x.shape[1]))
 
-    pooled = None if cond.pooled is None else torch.cat([cond.pooled, uncond.pooled])
+    both = (lambda a, b: None if a is None else torch.cat([a, b]))  # noqa: E731
     return TextConditioning(torch.cat([pad(cond.states), pad(uncond.states)]),
-                            torch.cat([pad(cond.bool_mask()), pad(uncond.bool_mask())]), pooled, cond.guidance)
+                            torch.cat([pad(cond.bool_mask()), pad(uncond.bool_mask())]),
+                            both(cond.pooled, uncond.pooled), cond.guidance, both(cond.image, uncond.image),
+                            both(cond.video, uncond.video))
 
 
 def _to(text: TextConditioning, dtype: torch.dtype, device) -> TextConditioning:
     cast = (lambda x: None if x is None else x.to(device=device, dtype=dtype))
     return TextConditioning(cast(text.states), None if text.mask is None else text.mask.to(device), cast(text.pooled),
-                            text.guidance)
+                            text.guidance, cast(text.image), cast(text.video))
 
 
 @torch.no_grad()
@@ -142,8 +144,8 @@ def denoise(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioni
 
 def _pipeline_takes(cond: TextConditioning, uncond: TextConditioning | None, guidance: float) -> bool:
     """The pipelines treat a guidance scale below 1 as no guidance, where this loop blends towards
-    the unconditional prediction; and their text-to-video calls take no image states."""
-    return not (uncond is not None and guidance < 1.0) and cond.image is None
+    the unconditional prediction; and their text-to-video calls take no image (states or latents)."""
+    return not (uncond is not None and guidance < 1.0) and cond.image is None and cond.video is None
 
 
 def _cfg_batch(parts) -> bool:
@@ -187,7 +189,9 @@ def denoise_loop(parts, noise: Tensor, cond: TextConditioning, uncond: TextCondi
             x, old = scheduler.step(pred, old, t, timesteps[i - 1] if i > 0 else None, x, return_dict=False)
         else:
             x = scheduler.step(pred, t, x, return_dict=False)[0]
-    return x
+    from slidefusion.pretrained.image import finish
+
+    return finish(adapter, x, cond.video)
 
 
 def sample_latents(parts, request: Request, generator: torch.Generator | None = None,

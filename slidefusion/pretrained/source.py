@@ -14,8 +14,10 @@ and returns the largest, which `latent` and `grid` (and so the memory plan) then
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
@@ -44,10 +46,13 @@ class FinetuneSource:
 ClipSizes = Callable[[ModelAdapter, nn.Module, dict], tuple[int, int, int]]  # (adapter, meta, VAE config) -> clip
 
 
-def open_source(path: str, expert: str, clip: tuple[int, int, int] | ClipSizes) -> FinetuneSource:
+def open_source(path: str, expert: str, clip: tuple[int, int, int] | ClipSizes,
+                transformer: str | None = None) -> FinetuneSource:
     """See the module docstring; `clip` is the training clip (frames, height, width) in pixels, or a
     function of (adapter, meta model, VAE config) that checks the run's sizes and returns the largest
-    (its UserError names its own config keys)."""
+    (its UserError names its own config keys); `transformer` (model.transformer): a single-file
+    transformer whose weights replace the expert's own, checked against the expert's config here
+    (`PretrainedFolder.transformer_files`)."""
     from slidefusion.pretrained.parts import folder_adapter
     from slidefusion.pretrained.sampling import latent_shape
 
@@ -56,7 +61,9 @@ def open_source(path: str, expert: str, clip: tuple[int, int, int] | ClipSizes) 
                               "pipeline folder (model_index.json with text_encoder/, tokenizer/, vae/, scheduler/)")
     check(expert in folder.transformer_names, f"model.expert={expert} is not in {folder.root}; valid: "
                                               f"{', '.join(folder.transformer_names)}")
-    folder.weight_entries(expert)  # every shard there, before anything is cached
+    if transformer is not None:
+        folder = _with_file(folder, transformer, expert, "model.transformer")
+    folder.weight_entries(expert)  # every shard (or the single file) there, before anything is cached
     vae_config, experts = folder.component_config("vae"), folder.experts()
     mine = next(e for e in experts if e.name == expert)
     timesteps = None if len(experts) == 1 else (mine.low, mine.high)
@@ -69,3 +76,27 @@ def open_source(path: str, expert: str, clip: tuple[int, int, int] | ClipSizes) 
         raise UserError(f"data.frames/height/width: {error}") from None
     return FinetuneSource(folder, expert, adapter, meta, vae_config, latent, adapter.token_grid(meta, (1, *latent)),
                           timesteps, load_scheduler(folder))
+
+
+def open_folder_with(path, transformer: str | Path | None = None, expert: str = "transformer",
+                     what: str = "model.transformer") -> PretrainedFolder:
+    """`open_folder(path)`, and with `transformer` (a single-file transformer: Wan's original layout,
+    as ComfyUI ships it, or diffusers') that file's weights in place of `expert`'s own, after checking
+    its names and shapes against the expert's config (`what` names it in errors)."""
+    folder = open_folder(path)
+    return folder if transformer is None else _with_file(folder, transformer, expert, what)
+
+
+def _with_file(folder: PretrainedFolder, path: str | Path, expert: str, what: str) -> PretrainedFolder:
+    from slidefusion.families import original_layout
+    from slidefusion.io.single_file import check_entries, single_file_entries
+
+    name = expert if folder.is_pipeline else ""  # a bare folder's one transformer is ""
+    check(name in folder.transformer_names, f"{what}: {folder.root} has no {expert}; valid: "
+                                            f"{', '.join(folder.transformer_names)}")
+    path = Path(path).expanduser()
+    adapter = folder.adapter(name)
+    layout = original_layout(adapter, f"{what}: a single-file transformer")
+    entries = single_file_entries(path, layout, adapter.class_name, what)
+    check_entries(entries, build_on_meta(folder, name, check_weights=False), path, folder.root, what)
+    return dataclasses.replace(folder, transformer_files={**folder.transformer_files, name: path})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ from torch import nn
 from slidefusion.attention import GridAttention, NeighborhoodAttention3d, OffsetNet, SlideAttention3d
 from slidefusion.core import hooks
 from slidefusion.core.errors import check
-from slidefusion.families import AttentionSite, ModelAdapter, SwapRecord, adapter_for, adapters_with
+from slidefusion.families import AttentionSite, ModelAdapter, SwapRecord, adapter_for, adapters_with, config_value
+from slidefusion.swap import persist
 from slidefusion.swap.processor import OFFSETS_ATTR, GridState, SitePlan, slide_processor_class
 from slidefusion.swap.records import SlideOptions
 
@@ -61,10 +62,14 @@ class SlideAttentionHandle:
 
 
 def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: str | None = "sample", *,
-                        max_offset: float = 0.9, temporal: str = "dense",
-                        backend: str = "auto") -> SlideAttentionHandle:
+                        max_offset: float = 0.9, temporal: str = "dense", backend: str = "auto",
+                        grid=None, from_pretrained=None) -> SlideAttentionHandle:
     """Swap the video self-attention of `transformer` (a supported diffusers video transformer, or
     our DiT3D / STDiT) for slide attention; see `SlideOptions` for the arguments.
+
+    `from_pretrained=DIR`: the swap a diffusers model was saved with (`save_pretrained` after a
+    swap records its options in config.json and its offset networks with the weights), restored
+    with those options and trained offsets (`slidefusion.swap.persist`); give no other option.
 
     Full blocks get a (kt, kh, kw) window, spatial ones (Latte's) a (1, kh, kw) window in each frame,
     temporal ones a (kt, 1, 1) window or stay dense (`temporal`). In joint text+video blocks
@@ -75,7 +80,11 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
     `restore_attention(transformer)` undoes the swap. UserError for an unsupported model, a model
     swapped already, or bad options.
     """
-    options = SlideOptions(kernel_size, offsets, max_offset, temporal, backend)
+    options = SlideOptions(kernel_size, offsets, max_offset, temporal, backend, grid)
+    if from_pretrained is not None:
+        check(options == SlideOptions(), "use_slide_attention(from_pretrained=DIR) takes the options DIR was saved "
+                                         "with; give no other option")
+        return _restore(transformer, from_pretrained)
     adapter = adapter_for(transformer)
     hooks.refuse_hooks(transformer, {e: "swap the attention first, then attach them" for e in _ENGINES})
     check(transformer not in _SWAPPED, f"{type(transformer).__name__} already uses slide attention; "
@@ -83,12 +92,14 @@ def use_slide_attention(transformer: nn.Module, kernel_size=(3, 7, 7), offsets: 
     record = adapter.swap
     check(record is not None, f"use_slide_attention does not cover {adapter.class_name} yet; supported: "
                               f"{', '.join(a.class_name for a in adapters_with('swap'))}")
+    options = options.clamped(_grid_bound(transformer, record))
     sites = [s for s in adapter.attention_sites(transformer)
              if s.kind != "temporal" or options.temporal == "slide"]
     handle = SlideAttentionHandle(transformer, options, [s.path for s in sites])
     try:
         if record.processors:
             _swap_diffusers(transformer, adapter, record, sites, options, handle)
+            persist.record_options(transformer, options, handle)  # what save_pretrained writes
         else:  # our own models: grid operators, replaced as modules
             _swap_ours(transformer, sites, options, handle)
     except BaseException:
@@ -107,6 +118,27 @@ def restore_attention(transformer: nn.Module) -> None:
 def slide_attention_handle(transformer: nn.Module) -> SlideAttentionHandle | None:
     """The live handle of a swapped model, or None."""
     return _SWAPPED.get(transformer)
+
+
+def _grid_bound(model: nn.Module, record: SwapRecord):
+    """The largest token grid the family's model can take on any axis (its swap record's config
+    key), as (n, n, n); None where there is no such bound."""
+    if record.grid_bound is None:
+        return None
+    n = int(config_value(model, record.grid_bound))
+    return (n, n, n)
+
+
+def _restore(model: nn.Module, path) -> SlideAttentionHandle:
+    """The swap the folder `path` was saved with, and its trained offset networks (`persist`)."""
+    options, entries = persist.saved_swap(model, path)
+    handle = use_slide_attention(model, **asdict(options))
+    try:
+        persist.load_offsets(model, entries, path)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
 
 
 # ---------------------------------------------------------------- diffusers models

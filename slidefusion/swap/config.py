@@ -23,7 +23,7 @@ from torch import nn
 from slidefusion.attention import OffsetNet, swappable
 from slidefusion.core.errors import UserError, check, unknown_value
 from slidefusion.core.validate import renamed_keys
-from slidefusion.swap.processor import OFFSETS_ATTR
+from slidefusion.swap.processor import OFFSETS_ATTR, is_offset_weight  # noqa: F401  (re-exported)
 from slidefusion.swap.records import SlideOptions
 from slidefusion.swap.apply import SlideAttentionHandle, slide_attention_handle, use_slide_attention
 
@@ -62,11 +62,6 @@ def use_configured_attention(transformer: nn.Module, attention: str, options: Ma
     if chosen is None:
         return None
     return use_slide_attention(transformer, **dataclasses.asdict(chosen))
-
-
-def is_offset_weight(name: str) -> bool:
-    """A state-dict name of an offset network `use_slide_attention` added to a diffusers model."""
-    return f".{OFFSETS_ATTR}." in name
 
 
 def slide_offset_weights(transformer: nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:

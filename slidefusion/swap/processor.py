@@ -31,6 +31,11 @@ from slidefusion.swap.records import Triple, view_grid
 OFFSETS_ATTR = "slide_offsets"  # the offset network's name under the attention module
 
 
+def is_offset_weight(name: str) -> bool:
+    """A state-dict name of an offset network `use_slide_attention` added to a diffusers model."""
+    return f".{OFFSETS_ATTR}." in name
+
+
 class GridState:
     """The (T, H, W) token grid of the transformer call in progress (set by a forward pre-hook)."""
 

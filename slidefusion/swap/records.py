@@ -6,6 +6,7 @@ is its `SwapRecord`, on the family's record (`slidefusion.families`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ class SlideOptions:
         blocks, STDiT's) gets: "dense" (stays stock; default, a short sequence of frames) or
         "slide" (a 1D window of kt frames).
     backend: the slide kernel, as `slide_attention`'s backend= ("auto" chooses per device).
+    grid: the largest token grid (T, H, W) the model will run on, or None. A window wider than it
+        along an axis is built just wide enough to cover it (the next odd size), so the offset
+        network holds no window slots a forward can never use; on that grid the model computes what
+        the window asked for computes. None: the model's own bound where its family has one (Wan:
+        rope_max_seq_len on every axis), else the window as asked.
     """
 
     kernel_size: Triple = (3, 7, 7)
@@ -40,6 +46,7 @@ class SlideOptions:
     max_offset: float = 0.9
     temporal: str = "dense"
     backend: str = "auto"
+    grid: Triple | None = None
 
     def __post_init__(self):
         kernel = self.kernel_size
@@ -54,6 +61,20 @@ class SlideOptions:
               f"max_offset={self.max_offset!r} must be a finite number > 0 (tokens)")
         choose(self.temporal, TEMPORAL, "temporal")
         choose(self.backend, BACKENDS, "backend")
+        if self.grid is not None:
+            grid = tuple(self.grid) if isinstance(self.grid, Sequence) and not isinstance(self.grid, str) else ()
+            ok = len(grid) == 3 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in grid)
+            check(ok, f"grid={self.grid!r} must be three ints >= 1 (T, H, W tokens), or None")
+            object.__setattr__(self, "grid", grid)
+
+    def clamped(self, bound: Triple | None) -> SlideOptions:
+        """These options with the window built for `grid` (or `bound` when grid is None): each axis
+        at most the next odd size >= the grid's, which still covers that axis whole."""
+        grid = self.grid or bound
+        if grid is None:
+            return self
+        kernel = tuple(min(k, n + 1 - n % 2) for k, n in zip(self.kernel_size, grid))
+        return dataclasses.replace(self, kernel_size=kernel)
 
     def site_kernel(self, kind: str) -> Triple:
         """The window of a block of `kind`: full 3D, (1, kh, kw) inside each frame, (kt, 1, 1) along time."""

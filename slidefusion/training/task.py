@@ -77,11 +77,12 @@ class ResidentOptimizer:
 
 
 def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int], shape: ModelShape) -> OffloadPolicy:
-    """The engine's policy: the `offload:` section with the run's device and the `optim:` section,
+    """The engine's policy: the `offload:` section with the run's device, the `optim:` section and lora's fp8 base,
     its `auto` values resolved against `model` (meta is enough) with `blocks` (the engine's, in call
     order) and one step of `grid` (T, H, W), or the planner's one-line refusal. `shape`: the widths
     the activations scale with."""
-    policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim)
+    policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim,
+                                 frozen_dtype=config.lora.base_torch_dtype, frozen_scales=config.lora.base_scales)
     if config.parallel.sp > 1 and policy.tile == AUTO:  # tiles do not split over a sample's ranks: whole blocks
         policy = dataclasses.replace(policy, tile=None)
     attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
@@ -168,6 +169,9 @@ class OwnModelTask:
                                            "(model.pretrained=DIR); sample our own models with generate --checkpoint")
         self.rows = None if ranks is None else ranks.rows(config.run.batch_size)
         data = config.data
+        if config.diffusion.image_dropout:
+            raise UserError(f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video "
+                            "fine-tunes of a diffusers folder (model.pretrained=DIR); set it to 0")
         self.autoencoder = build_autoencoder(config.autoencoder).to(device)
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
         if latent[0] != config.model.in_channels:

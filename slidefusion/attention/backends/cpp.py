@@ -13,7 +13,6 @@ from pathlib import Path
 
 from slidefusion.attention.backends import tiled
 from slidefusion.core import native
-from slidefusion.core.errors import UserError
 
 Triple = tuple[int, int, int]
 
@@ -51,15 +50,11 @@ def extension():
 
 
 def forward(q, k, v, offsets, kernel: Triple, scale: float):
-    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); UserError for non-finite offsets."""
+    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); NaN for query-heads whose offsets are not finite."""
     ext = extension()
     if ext is None:
         return tiled.forward(q, k, v, offsets, kernel, scale)
-    try:
-        out, lse = ext.forward(q, k, v, q.new_empty(0) if offsets is None else offsets, *kernel, scale)
-    except ValueError as error:  # the kernel's only ValueError: offsets that are not finite
-        raise UserError(str(error).strip().splitlines()[0]) from None
-    return out, lse
+    return tuple(ext.forward(q, k, v, q.new_empty(0) if offsets is None else offsets, *kernel, scale))
 
 
 def backward(q, k, v, offsets, lse, delta, grad_out, kernel: Triple, scale: float):

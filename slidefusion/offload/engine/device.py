@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
+from slidefusion.offload.engine.fp8 import Fp8Streaming
 from slidefusion.offload.engine.layout import REST
 from slidefusion.offload.engine.streamer import BlockStreamer
 from slidefusion.offload.engine.transfer import DONE, Handle
@@ -35,14 +36,21 @@ class DeviceWeights:
         largest = max((state.blocks[b].numel for b in self.streamed), default=0)
         self.slots = [torch.empty(largest, dtype=dtype, device=device) for _ in range(policy.prefetch + 1)] if self.streamed else []
         sources = [state.blocks[b].compute for b in self.streamed]
-        self.streamer = BlockStreamer(h2d, sources, self.slots, lambda k: (updated(self.streamed[k]),))
+        frozen = [state.blocks[b].frozen for b in self.streamed]
+        codec = Fp8Streaming(frozen, len(self.slots), device) if any(f is not None for f in frozen) else None
+        self.streamer = BlockStreamer(h2d, sources, self.slots, lambda k: (updated(self.streamed[k]),), codec)
         self.position: dict[int, int] = {}
         self.upload_all()
 
     def upload_all(self) -> None:
         """Every resident group's whole compute copy (frozen part included), waited for."""
         for key, buffer in self.buffers.items() if not self.direct else ():
-            self.h2d.copy(buffer, self.state.groups[key].compute, (self.h2d.marker(),)).synchronize()
+            group = self.state.groups[key]
+            self.h2d.copy(buffer[:group.compute.numel()], group.compute, (self.h2d.marker(),)).synchronize()
+            if group.frozen is not None:  # an fp8 base: its codes up once, decoded into the buffer for good
+                wire = torch.empty(group.frozen.wire.numel(), dtype=torch.uint8, device=buffer.device)
+                self.h2d.copy(wire, group.frozen.wire, (self.h2d.marker(),)).synchronize()
+                group.frozen.decode_into(wire, buffer)
             self.refreshed[key] = DONE
         self.streamer.holds = [None] * len(self.slots)  # nothing in the pool is current any more
 
@@ -82,7 +90,9 @@ class DeviceWeights:
         return 0 if self.direct else sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def reserved_bytes(self) -> int:
-        return self.resident_bytes() + sum(s.numel() * s.element_size() for s in self.slots)
+        codec = self.streamer.codec
+        return (self.resident_bytes() + sum(s.numel() * s.element_size() for s in self.slots)
+                + (0 if codec is None else codec.reserved_bytes()))
 
 
 class GradientShipper:

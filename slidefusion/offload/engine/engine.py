@@ -29,6 +29,7 @@ from slidefusion.offload.engine.accumulate import GradientAccumulator
 from slidefusion.offload.engine.device import DeviceWeights, GradientShipper
 from slidefusion.core.hooks import refuse_hooks, within
 from slidefusion.offload.engine.hooks import STREAM, block_leaves, forward_with_graph, input_and_weight_grads, install_hooks, refused, remove_hooks
+from slidefusion.offload.engine.fp8 import check_device
 from slidefusion.offload.engine.host_state import HostState
 from slidefusion.offload.engine.layout import REST
 from slidefusion.offload.engine.loading import load_named_tensors, move_buffers
@@ -60,6 +61,10 @@ class OffloadEngine:
         refuse_hooks(model, refused(ranks is not None))  # before anything is moved: a refused model stays as it was
         self.allocator = allocator or HostAllocator.for_device(self.device, policy.pin_budget, policy.pin_chunk)
         self.dp = None if ranks is None else DataParallel(ranks, self.device)
+        check(self.dp is None or policy.frozen_dtype is None, "lora.base_dtype (an fp8 frozen base) is not supported "
+              "with --offload on several ranks yet; leave it unset, or train on one process")
+        if policy.frozen_dtype is not None:
+            check_device(policy.frozen_dtype, self.device, policy.compute_dtype)
         shards = () if self.dp is None else (self.dp.sharding, self.dp.compute_allocator(model, self.blocks, policy,
                                                                                           self.allocator))
         self.state = HostState(model, self.blocks, policy, self.allocator.empty, *shards)
@@ -197,8 +202,9 @@ class OffloadEngine:
             handle.synchronize()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The master weights (frozen parameters: their compute copy) and buffers, keyed as `model.state_dict()`.
-        Under data parallelism every rank must call it (the shards are gathered)."""
+        """The master weights (frozen parameters: their compute copy, or with an fp8 base their
+        float8 codes, unscaled) and buffers, keyed as `model.state_dict()`. Under data parallelism
+        every rank must call it (the shards are gathered)."""
         self.synchronize()
         weights = {k: v.detach() for k, v in self.model.state_dict().items()}
         return weights if self.dp is None else {**weights, **gather_weights(self.state, self.dp.comm)}

@@ -1,6 +1,8 @@
 """Host-resident training state: per group of parameters, flat contiguous buffers, allocated once.
 
-    compute     compute dtype  the copy that is uploaded (trainable + frozen parameters)
+    compute     compute dtype  the copy that is uploaded (trainable + frozen parameters; with an fp8
+                               base, `policy.frozen_dtype`, the trainable prefix only)
+    frozen      with an fp8 base: `fp8.FrozenCodes`, the frozen parameters' codes and scales
     master      `optim.formats.MasterWeights` over the trainable prefix (may be the compute copy itself)
     moments     `optim.formats.Moments` over the trainable prefix
 
@@ -12,7 +14,8 @@ directly and is filled by `load_weights`, so a checkpoint never exists twice in 
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
+from slidefusion.offload.engine.fp8 import FrozenCodes
 from slidefusion.offload.engine.layout import REST, GroupSpec, layout_of, split_groups
 from slidefusion.offload.optim.formats import MasterWeights, Moments
 
@@ -37,7 +40,11 @@ class GroupState:
         self.lo, self.hi = self.cuts[sharding.rank:sharding.rank + 2] if sharding else (0, self.n_train)
         self.sharded, self.writes_compute = sharding is not None, sharding is None or sharding.writes_compute
         self.shares_compute = allocate_compute is not None  # the node's ranks map one compute copy
-        self.compute = (allocate_compute or (lambda n, d: allocate(n, d, True)))(self.layout.numel, policy.compute_dtype)
+        fp8 = policy.frozen_dtype is not None and self.layout.numel > self.n_train  # codes replace the frozen copy
+        numel = self.n_train if fp8 else self.layout.numel
+        self.compute = (allocate_compute or (lambda n, d: allocate(n, d, True)))(numel, policy.compute_dtype)
+        self.frozen = FrozenCodes(self.layout.entries[len(self.trainable):], self.n_train, policy.frozen_dtype,
+                                  policy.frozen_scales, allocate) if fp8 else None
         self.master = MasterWeights(policy.master, policy.rounding, self.n_own, self.compute[self.lo:], allocate)
         self.moments = Moments(policy.moments, self.layout, self.n_train, allocate, (self.lo, self.hi))
         if not any(p.is_meta for p in self.params):
@@ -63,6 +70,9 @@ class GroupState:
     def write(self, offset: int, numel: int, value: torch.Tensor) -> None:
         """Store `value` (any float dtype) at `offset`: master (+ compensation) and compute copy.
         Sharded, the master's part in [lo, hi) and its compute copy (the rest arrives from its owners)."""
+        if offset >= self.n_train and self.frozen is not None:
+            self.frozen.write(offset, value)
+            return
         value = value.reshape(-1)
         if offset >= self.n_train:
             if self.writes_compute:
@@ -88,7 +98,8 @@ class GroupState:
         """Point the model's parameters at their host views: trainable ones at the master (sharded:
         at the whole compute copy, as no process holds the whole master)."""
         trainable = self.layout.views(self.compute if self.sharded else self.master.value, len(self.trainable))
-        frozen = self.layout.views(self.compute)[len(self.trainable):]
+        # an fp8 base: the frozen parameters view their codes (the engine's device copies hold values)
+        frozen = self.frozen.views() if self.frozen is not None else self.layout.views(self.compute)[len(self.trainable):]
         for view, param in zip(trainable + frozen, self.params):
             if param.is_meta:  # `.data =` cannot change a tensor's type; swap it (the object stays)
                 torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=param.requires_grad))
@@ -125,11 +136,19 @@ class GroupState:
         return {**self.master.tensors(), **self.moments.tensors()}
 
     def compute_bytes(self) -> int:
-        return self.numel * self.compute.element_size()
+        return self.compute.numel() * self.compute.element_size()
 
     def host_bytes(self) -> int:
-        """This process's own bytes: the compute copy (unless shared) and its master and moments."""
-        return (0 if self.shares_compute else self.compute_bytes()) + self.master.host_bytes() + self.moments.host_bytes()
+        """This process's own bytes: the compute copy (unless shared), fp8 codes, its master and moments."""
+        codes = 0 if self.frozen is None else self.frozen.host_bytes()  # else the compute copy holds them
+        return ((0 if self.shares_compute else self.compute_bytes()) + codes + self.master.host_bytes()
+                + self.moments.host_bytes())
+
+    def frozen_bytes(self) -> int:
+        """Host bytes of the frozen parameters: their compute copy, or their fp8 codes and scales."""
+        if self.frozen is not None:
+            return self.frozen.host_bytes()
+        return (self.numel - self.n_train) * self.compute.element_size()
 
 
 class HostState:
@@ -153,8 +172,8 @@ class HostState:
         return sum(g.numel - g.n_train for g in self.groups.values())
 
     def frozen_bytes(self) -> int:
-        """Host bytes of the frozen parameters: their compute copy alone."""
-        return sum((g.numel - g.n_train) * g.compute.element_size() for g in self.groups.values())
+        """Host bytes of the frozen parameters: their compute copy alone (or fp8 codes and scales)."""
+        return sum(g.frozen_bytes() for g in self.groups.values())
 
     def state_dict(self) -> dict:
         """Copies of every group's persistent state, and the storage format it is in."""

@@ -23,8 +23,9 @@ class BlockStreamer:
     """Streams `sources[b]` (flat host buffers) through `slots` (flat device buffers)."""
 
     def __init__(self, copier, sources: list[torch.Tensor], slots: list[torch.Tensor],
-                 upload_after: Callable[[int], tuple[Handle, ...]]):
+                 upload_after: Callable[[int], tuple[Handle, ...]], codec=None):
         self.copier = copier
+        self.codec = codec  # more of a block to upload with it and decode into its slot (`fp8.Fp8Streaming`)
         self.sources = sources
         self.slots = slots
         self.upload_after = upload_after  # what must finish before block b's source may be read
@@ -53,8 +54,12 @@ class BlockStreamer:
         source = self.sources[block]
         self.slot_of[k] = slot
         self.holds[slot] = block
-        self.ready[k] = self.copier.copy(self.slots[slot][:source.numel()], source, (self.free[slot], *self.upload_after(block)))
+        after = (self.free[slot], *self.upload_after(block))
+        self.ready[k] = self.copier.copy(self.slots[slot][:source.numel()], source, after)
         self.h2d_bytes += source.numel() * source.element_size()
+        if self.codec is not None:
+            self.ready[k], extra = self.codec.upload(self.copier, block, slot, after, self.ready[k])
+            self.h2d_bytes += extra
         self._note_occupancy()
 
     def _note_occupancy(self) -> None:
@@ -66,7 +71,10 @@ class BlockStreamer:
         start = time.perf_counter()
         self.ready[k].wait()
         self.wait_s += time.perf_counter() - start
-        return self.slots[self.slot_of[k]]
+        slot = self.slot_of[k]
+        if self.codec is not None:
+            self.codec.decode(self.order[k], slot, self.slots[slot])
+        return self.slots[slot]
 
     def release(self, k: int) -> None:
         """Position k's compute is issued; its slot goes to position k + len(slots)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from slidefusion.offload.plan.footprint import Counts, engine_footprint, parameter_counts
+from slidefusion.offload.plan.footprint import Counts, engine_footprint, frozen_scale_counts, parameter_counts
 from slidefusion.offload.plan.model_shape import ModelShape
 from slidefusion.offload.plan.plan import Plan, available_host_memory, device_capacity
 from slidefusion.offload.tiling.activations import CHECKPOINTS, Workload, activation_parts, place_checkpoints
@@ -35,13 +35,15 @@ class Sizing:
     host_capacity: int | None
     disk_capacity: int | None = None
     by_room: bool = False  # checkpoints wherever there is room (the planner), else where the policy puts them
+    scales: dict | None = None  # an fp8 base's scale counts (`frozen_scale_counts`); None: no frozen parameters known
 
     @classmethod
     def of_model(cls, model: nn.Module, blocks, shape: ModelShape, work: Workload, device=None) -> "Sizing":
         """The trainer's sizing of `model` (meta is enough) on `device` (a torch.device; None: no limit)."""
         counts, rest = parameter_counts(model, blocks)
         capacity = None if device is None else device_capacity(device)
-        return cls(tuple(counts), rest, shape, work, capacity, available_host_memory())
+        return cls(tuple(counts), rest, shape, work, capacity, available_host_memory(),
+                   scales=frozen_scale_counts(model, blocks))
 
     @classmethod
     def of_shape(cls, shape: ModelShape, work: Workload, device: int | None, host: int | None,
@@ -67,7 +69,7 @@ class Sizing:
     def plan(self, policy) -> Plan:
         """The plan of one step under `policy` (its `tile` and `resident_blocks` numbers), capacities
         checked: weights and state (`engine_footprint`), activations, and where the checkpoints go."""
-        plan = engine_footprint(list(self.blocks), self.rest, policy)
+        plan = engine_footprint(list(self.blocks), self.rest, policy, self.scales)
         plan.device_capacity, plan.host_capacity, plan.disk_capacity = (
             self.device_capacity, self.host_capacity, self.disk_capacity)
         tile = policy.tile

@@ -165,7 +165,8 @@ class ClipSizes:
         return largest.frames, largest.height, largest.width
 
 
-def micro_batch_loss(task, part: list[tuple[int, int]], step: int, weight: float):
+def micro_batch_loss(task, part: list[tuple[int, int]], step: int, weight: float,
+                     image_generator: torch.Generator | None = None):
     """The loss of one micro-batch of a `FolderTask` as a function of the model, scaled by `weight`
     (its share of the step's clips): cached latents and text, each sample's caption dropout,
     timestep and noise from `sample_generator`."""
@@ -180,6 +181,8 @@ def micro_batch_loss(task, part: list[tuple[int, int]], step: int, weight: float
     text = task.cache.text(captions)
     text = type(text)(text.states.to(task.device), None if text.mask is None else text.mask.to(task.device),
                       None if text.pooled is None else text.pooled.to(task.device))
+    if getattr(task, "image_mode", None) is not None:  # image-to-video: the clips' first frames, cached
+        text = task.cache.with_image(text, indices, task.config.diffusion.image_dropout, image_generator, task.device)
 
     def loss(model) -> torch.Tensor:
         value = task.objective.loss_at(model, latents, text, t, noise)

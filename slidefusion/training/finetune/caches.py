@@ -11,6 +11,10 @@ same tensors and never by one that would not:
     CACHE/text/<sha>.safetensors      "states" (L, D) float32, "mask" (L,) uint8 (families that take
                                       one), "pooled" (P,) (HunyuanVideo); key: the caption and the
                                       text encoders and tokenizers (their files)
+    CACHE/image/<sha>.safetensors     image-to-video folders: the clip's first frame as the condition,
+                                      "video" (C_v, T, H, W) and, for Wan 2.1 I2V, "states" (L, D)
+                                      (`slidefusion.pretrained.image`); key: the clip, the VAE and the
+                                      image encoder (their files), the mode
 
 Each file is written to a temporary name and renamed into place. Wan's states end in zeros (its
 pipeline zero-pads to 512 tokens), so only the rows up to the last non-zero one are stored and the
@@ -20,6 +24,7 @@ Latents are the VAE posterior's mean (deterministic: the cache does not depend o
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -111,11 +116,19 @@ class FinetuneCache:
     `vae_id` / `text_id` identify the VAE and the text encoders (`component_identity`); `spec` is
     the adapter's `TextSpec` (its max_length and padding say how a batch pads states)."""
 
-    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec):
+    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec, image: tuple | None = None):
+        """`image`: (mode, image encoder identity, latent shape (C, T, H, W)) of an image-to-video folder."""
         self.root, self.data, self.dataset, self.spec = Path(root), data, dataset, spec
         self.vae_id, self.text_id = _digest(vae_id), _digest(text_id)
+        self.image_mode, self.image_id, self.latent_shape = (None, None, None) if image is None else \
+            (image[0], _digest({"mode": image[0], "encoder": image[1], "vae": vae_id}), tuple(image[2]))
         self.written: list[Path] = []  # by this process, so that a run stopped by bad input can take them back
-        self._folders = [p for p in (self.root / "latents", self.root / "text", self.root) if not p.exists()]
+        self._folders = [p for p in (self.root / "latents", self.root / "text", self.root / "image", self.root)
+                         if not p.exists()]
+
+    def image_path(self, index: int) -> Path:
+        key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "image": self.image_id})
+        return self.root / "image" / f"{key}.safetensors"
 
     def latent_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
@@ -127,7 +140,8 @@ class FinetuneCache:
 
     def missing(self, captions: list[str]) -> tuple[list[int], list[str]]:
         """Clip indices and captions that have no cache file yet."""
-        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()]
+        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()
+                 or (self.image_mode is not None and not self.image_path(i).is_file())]
         return clips, [c for c in dict.fromkeys(captions) if not self.text_path(c).is_file()]
 
     def fill(self, parts, device, quiet: bool, captions: list[str]) -> int:
@@ -138,15 +152,21 @@ class FinetuneCache:
 
         latents = self.root / "latents"
         buckets = sorted(p for p in latents.iterdir() if p.is_dir()) if latents.is_dir() else []
-        for folder in (latents, *buckets, self.root / "text"):  # each bucket's latents have their own folder
+        for folder in (latents, *buckets, self.root / "text", self.root / "image"):  # each bucket's latents have their own folder
             remove_abandoned_files(folder, TEMPORARY)  # what a killed fill left; never a live writer's
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
-            for n, (i, video) in enumerate(tqdm(self._videos(clips), total=len(clips), desc="caching latents", disable=quiet,
-                                 leave=False)):
-                latents = vae.encode(video[None].to(device))[0].float()  # (1, 3, T, H, W) -> (C, T', H', W')
+            if parts.image_encoder is not None:
+                parts.image_encoder.to(device)
+            for n, (i, video) in enumerate(tqdm(self._videos(clips), total=len(clips), desc="caching latents",
+                                                disable=quiet, leave=False)):
+                video = video.to(device)  # (3, T, H, W)
+                latents = vae.encode(video[None])[0].float()  # (1, 3, T, H, W) -> (C, T', H', W')
                 self._put(self.latent_path(i), {"latents": latents}, {"format": FORMAT}, len(clips) - n, "latents")
+                if self.image_mode is not None:
+                    self._put(self.image_path(i), self._image_tensors(parts, video), {"format": FORMAT},
+                              len(clips) - n, "image condition")
         for n, caption in enumerate(tqdm(texts, desc="caching text", disable=quiet, leave=False)):
             text = encode_prompts(parts, [caption])
             self._put(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption},
@@ -181,6 +201,36 @@ class FinetuneCache:
         else:
             for i in indices:
                 yield i, self.dataset[i]["video"]
+
+    def _image_tensors(self, parts, video: Tensor) -> dict[str, Tensor]:
+        """The condition of a clip (3, T, H, W) in [-1, 1]: its first frame, as an 8-bit image (what a
+        user gives `generate --image`), through the folder's image-to-video pipeline."""
+        from PIL import Image
+
+        from slidefusion.pretrained.image import image_condition
+
+        pixels = ((video[:, 0].float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
+        zeros = torch.zeros(1, *self.latent_shape)
+        states, condition = image_condition(parts, Image.fromarray(pixels.numpy()), zeros, self.data.frames,
+                                            self.data.height, self.data.width)
+        tensors = {"video": condition[0].float()}
+        if states is not None:
+            tensors["states"] = states[0].float()
+        return tensors
+
+    def with_image(self, text: TextConditioning, indices: list[int], dropout: float, generator: torch.Generator,
+                   device) -> TextConditioning:
+        """`text` with the batch's image condition from the cache (CLIP states (B, L, D) or None, latents
+        (B, C_v, T, H, W)) on `device`; with probability `dropout` (diffusion.image_dropout) the step
+        trains without it: zeros for Wan 2.1 I2V ("channels"), a text-to-video step for 2.2 TI2V."""
+        rows = [_read(self.image_path(i)) for i in indices]
+        states = torch.stack([r["states"] for r in rows]) if "states" in rows[0] else None
+        video = torch.stack([r["video"] for r in rows])
+        if bool(torch.rand((), generator=generator) < dropout):
+            if self.image_mode == "first-frame":
+                return text
+            states, video = None if states is None else torch.zeros_like(states), torch.zeros_like(video)
+        return dataclasses.replace(text, image=None if states is None else states.to(device), video=video.to(device))
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

@@ -109,6 +109,9 @@ class FolderObjective:
         channels = x0.shape[1]
         prediction = out[:, :channels]
         target = self.objective.target(x0, noise, t.to(x0.device), acp).float()
+        if text.video is not None and self.adapter.options.get("expand_timesteps"):
+            # Wan 2.2 TI2V's image mode: the first latent frame is given (the image's), not predicted
+            prediction, target = prediction[:, :, 1:], target[:, :, 1:]
         loss = torch.mean((prediction - target) ** 2)
         if self.objective.learned_sigma and out.shape[1] == 2 * channels:
             loss = loss + self.variational_bound(prediction.detach(), out[:, channels:], x0, x_t, t).mean()

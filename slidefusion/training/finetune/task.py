@@ -33,11 +33,13 @@ from slidefusion import memory
 from slidefusion.core import validate
 from slidefusion.core.errors import UserError, check
 from slidefusion.offload import OffloadEngine, engine_blocks
+from slidefusion.offload.engine.fp8 import check_device
 from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
 from slidefusion.offload.tiling.tile_runner import tiling_refusal
 from slidefusion.pretrained import lora as lora_lib
-from slidefusion.swap import is_offset_weight, slide_offset_weights, use_slide_attention
-from slidefusion.training.finetune.batches import ClipSizes, FolderData, micro_batch_loss
+from slidefusion.pretrained.image import check_image_use, image_mode
+from slidefusion.swap import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
+from slidefusion.training.finetune.batches import ClipSizes, FolderData, micro_batch_loss, sample_generator
 from slidefusion.training.finetune.caches import FinetuneCache, component_identity
 from slidefusion.training.finetune.loss import FolderObjective
 from slidefusion.diffusion.rows import local_rows
@@ -61,6 +63,32 @@ def model_shape(model: nn.Module, adapter, blocks, attention: str) -> ModelShape
                       tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
+def slide_for_grid(cfg, grid: tuple[int, int, int]):
+    """The swap's options (None: dense); a window wider than the run's token `grid` builds its offset
+    network for that grid (recorded as model.attention_options.grid, so checkpoints rebuild the same
+    model)."""
+    slide = cfg.slide
+    if slide is not None and slide.grid is None and any(k > n for k, n in zip(slide.kernel_size, grid)):
+        cfg.attention_options["grid"] = list(grid)
+        slide = cfg.slide
+    return slide
+
+
+def checked_image_mode(folder, config) -> str | None:
+    """The folder's image mode (None: text-to-video), after the checks that go with it."""
+    mode = image_mode(folder, config.model.expert)
+    check(mode is not None or not config.diffusion.image_dropout,
+          f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video folders; "
+          f"{config.model.pretrained} is text-to-video: set it to 0")
+    if mode is not None:
+        check_image_use(folder, True, "model.pretrained")  # a Wan 2.1 I2V folder has its image encoder
+        data = config.data
+        check(data.kind != "folder" or (data.resolution is None and data.frame_buckets is None),
+              f"model.pretrained={config.model.pretrained} is image-to-video, which trains one clip size for now: "
+              "set data.resolution: null and data.frame_buckets: null (data.frames, data.height, data.width apply)")
+    return mode
+
+
 class FolderTask:
     """See the module docstring. Steps 2 and 3 wait for `prepare()` (the trainer calls it once the run
     goes ahead: after --resume checked its checkpoint), so bad input costs no cache. Attributes the
@@ -78,15 +106,23 @@ class FolderTask:
         check(config.diffusion.direction_contrast == 0, f"diffusion.direction_contrast="
               f"{config.diffusion.direction_contrast} is for our own models on the moving shapes; set it to 0 here")
         sizes = ClipSizes(config.data)  # the buckets, checked against the folder's VAE and patch
-        source = open_source(cfg.pretrained, cfg.expert, sizes)
+        source = open_source(cfg.pretrained, cfg.expert, sizes, cfg.transformer)
         self.rules = sizes.rules
         self.folder, self.adapter, self.latent, self.grid = source.folder, source.adapter, source.latent, source.grid
-        self.vae_config, meta, self.slide = source.vae_config, source.meta, cfg.slide
+        self.vae_config, meta = source.vae_config, source.meta
+        self.image_mode = checked_image_mode(self.folder, config)
+        check(slide_attention_handle(meta) is None, f"model.pretrained={cfg.pretrained}: its {cfg.expert} was saved "
+              "with slide attention; fine-tuning a saved slide-attention model again is not supported: resume the "
+              "run that trained it, or sample it with generate --pretrained")
+        self.slide = slide_for_grid(cfg, self.grid)
         self._adapt(meta)
         check_sequence_parallel(meta, config.parallel.sp)  # parallel.sp beyond the heads fails before any cache
         if not quiet:
             self._say_window()
         self.objective = FolderObjective(source.adapter, source.scheduler, config.diffusion, source.timesteps)
+        check(config.lora.base_dtype is None or config.offload.enabled,
+              f"lora.base_dtype={config.lora.base_dtype} stores the frozen base on the host for the offload engine; "
+              "add --offload, or drop lora.base_dtype")
         self.policy = self._fit(meta, device)  # the planner's refusal now, not after the caches
         if config.data.cache_dir:  # a file there, or a folder nothing can be written to, fails now, not after loading
             validate.output_path(config.data.cache_dir, "data.cache_dir", folder=True, inside=True)
@@ -106,7 +142,10 @@ class FolderTask:
             attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
             self.blocks = engine_blocks(meta, self.adapter)  # what the engine will stream: `prepare` builds it on these
             shape = model_shape(meta, self.adapter, self.blocks, attention)
-            return offload_policy(self.config, meta, self.blocks, self.grid, shape)
+            policy = offload_policy(self.config, meta, self.blocks, self.grid, shape)
+            if policy.frozen_dtype is not None:  # before any cache: a device without fp8 casts says so now
+                check_device(policy.frozen_dtype, policy.torch_device, policy.dtype)
+            return policy
         params = sum(p.numel() for p in meta.parameters())
         memory.check_fits({"weights, gradients and AdamW state": params * RESIDENT_BYTES_PER_PARAM}, device,
                           "training resident", "train with --offload, or use lora.rank")
@@ -139,7 +178,11 @@ class FolderTask:
         text_components = [*text.encoders, *text.tokenizers]
         root = Path(self.config.data.cache_dir) if self.config.data.cache_dir else run_dir / "cache"
         identities = component_identity(self.folder, ["vae"]), component_identity(self.folder, text_components)
-        cache = FinetuneCache(root, self.config.data, self.dataset, *identities, text)
+        image = None
+        if self.image_mode is not None:  # what conditions each clip: its first frame
+            encoder = [c for c in ("image_encoder", "image_processor") if c in self.folder.components()]
+            image = (self.image_mode, component_identity(self.folder, encoder), self.latent)
+        cache = FinetuneCache(root, self.config.data, self.dataset, *identities, text, image)
         self.cache = cache  # before filling: a stop on bad input midway takes back what was written
         caches = [(cache, [*self.captions, ""])]
         if self.validator is not None:
@@ -197,7 +240,8 @@ class FolderTask:
             axes = "that axis" if len(wide) == 1 else "those axes"
             print(f"model.attention_options.kernel_size {list(self.slide.kernel_size)} is wider than the token grid "
                   f"{list(self.grid)} along {', '.join(wide)}: slide attention attends {axes} whole (the window is "
-                  "clamped to the grid)")
+                  f"clamped to the grid, and the offset network built for it: model.attention_options.grid="
+                  f"{list(self.grid)})")
 
     def _offloaded(self):
         from slidefusion.pretrained import iter_weights
@@ -231,7 +275,9 @@ class FolderTask:
         `generator` is the trainer's step stream, unused: every sample has its own."""
         parts, rows = self.data.micro_batches(step), local_rows(self.rows, self.config.run.batch_size)
         total = sum(len(p) for p in parts)  # under data parallelism each part holds every rank's rows
-        fns = [micro_batch_loss(self, rows.take(part), step, len(part) / total) for part in parts]
+        seed = self.config.run.seed  # the image condition's dropout: one draw per micro-batch, the same on every rank
+        fns = [micro_batch_loss(self, rows.take(part), step, len(part) / total, sample_generator(seed, step, -1 - k))
+               for k, part in enumerate(parts)]
         return fns[0] if len(fns) == 1 else fns
 
     def describe_data(self) -> str:

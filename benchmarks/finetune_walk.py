@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SKIP = ("slidefusion.errors", "slidefusion.validate", "slidefusion.core", "slidefusion.testing", "slidefusion.cli.args")
+SKIP = ("slidefusion.core", "slidefusion.testing", "slidefusion.cli.args")
 
 
 def walk(depth_limit: int) -> list[tuple[int, str]]:

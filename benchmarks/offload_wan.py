@@ -1,6 +1,6 @@
 """The Wan-shaped rows of `benchmarks/offload.py` (issue 10): a random diffusers
 `WanTransformer3DModel` (default ~25 M parameters, 8 blocks) trained with Wan's flow-matching loss
-through `slidefusion.adapters`, offloaded against the fastest resident run, full and with LoRA.
+through `slidefusion.families`, offloaded against the fastest resident run, full and with LoRA.
 
 Runners, all in one alternating loop (after one warm-up round; medians quoted), every one with
 activation checkpointing at every block boundary (the resident ones through torch.utils.checkpoint

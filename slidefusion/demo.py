@@ -9,9 +9,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 from slidefusion.data.shapes import parse_caption
 from slidefusion.data.video_io import check_video_path, to_uint8, write_video
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.pipeline import DEFAULT_PROMPT, VideoPipeline
-from slidefusion.validate import output_path
+from slidefusion.core.validate import output_path
 
 # Every colour, shape and main direction of the grid differs from its neighbours'; the first is
 # the default prompt, so the single demo video is the grid's first cell.

@@ -12,7 +12,7 @@ from a checkpoint's config.json without the training sections (optimizer, run, o
 from dataclasses import dataclass, field
 
 from slidefusion.data.config import DataConfig
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.io.config import build, config_keys, plain
 from slidefusion.models.config import ModelConfig, preset
 from slidefusion.pretrained.config import LoraConfig, PretrainedModelConfig, model_section

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from slidefusion.attention import backends, joint
 from slidefusion.attention.backends import ops
 from slidefusion.attention.reference import slide_attention_reference
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 Triple = tuple[int, int, int]
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from slidefusion.attention.tiling import TileRule
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 
 class RedirectAttention(TorchFunctionMode):

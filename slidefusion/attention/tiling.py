@@ -41,7 +41,7 @@ masks are then computed by the operator on coordinates that agree with the full 
 import math
 from dataclasses import dataclass
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 AXES = {1: "frames", 2: "rows"}
 

@@ -2,7 +2,7 @@
 
 `ArgumentParser.error` prints exactly one line, `slidefusion <command>: error: ... (see --help)`,
 and exits with code 2; the value types below judge a flag with the same checks the typed configs
-use (`slidefusion.validate`), so `--guidance nan` fails at parse time, naming the flag, before
+use (`slidefusion.core.validate`), so `--guidance nan` fails at parse time, naming the flag, before
 any model is loaded. A new flag picks its type here instead of checking its value later. Under
 torchrun, `leave_after_rank_zero` is how a rank other than 0 ends after bad input that rank 0 reports.
 """

@@ -8,6 +8,7 @@ import dataclasses
 
 import yaml
 
+from slidefusion.attention import memory_models
 from slidefusion.cli import args as types
 from slidefusion.core.errors import UserError
 from slidefusion.offload.policy import MASTERS, MOMENTS, ROUNDINGS, OffloadPolicy
@@ -36,7 +37,7 @@ def add_parser(subparsers) -> None:
     plan.add_argument("--frames", type=types.positive_int, required=True, help="video frames (pixels)")
     plan.add_argument("--height", type=types.positive_int, required=True, help="video height in pixels")
     plan.add_argument("--width", type=types.positive_int, required=True, help="video width in pixels")
-    plan.add_argument("--attention", choices=["dense", "flash", "window", "slide"],
+    plan.add_argument("--attention", choices=memory_models(),
                       help="self-attention operator (default: the model's own; Wan: flash)")
     plan.add_argument("--gpu-memory", type=types.byte_size, default="141GB",
                       help="device memory with its unit, e.g. 24GB or 24GiB (default 141GB, an H200; a bare number is refused)")
@@ -111,7 +112,7 @@ def run(args) -> None:
     from slidefusion.offload.tiling.activations import Workload
 
     _check_folder(args.model)
-    shape, stride, policy = model_shape(args.model), args.vae_stride, _policy(args)
+    shape, stride, policy = model_shape(args.model, _folder_config(args.model)), args.vae_stride, _policy(args)
     machine = Machine(args.gpu_memory, args.host_memory, args.pcie, args.tflops, host_bytes_s=args.host_bandwidth,
                       disk=args.disk, disk_bytes_s=args.disk_bandwidth)
     attention = args.attention or shape.attention
@@ -135,6 +136,21 @@ def run(args) -> None:
               f"{stride[0]} (Wan, CogVideoX, ours) takes {below} or {below + stride[0]}")
     if not plan.fits:
         _suggest(args, shape, work, policy, machine)
+
+
+def _folder_config(model: str) -> dict | None:
+    """A transformer folder's config.json (a pipeline folder's transformer/), or None for a name."""
+    from pathlib import Path
+
+    from slidefusion.io.diffusers import read_json
+
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    path = next((p for p in (folder / "config.json", folder / "transformer" / "config.json") if p.is_file()), None)
+    if path is None:
+        raise UserError(f"--model={model!r} has no config.json (nor transformer/config.json)")
+    return read_json(path, "--model: the transformer config")
 
 
 def _check_folder(model: str) -> None:

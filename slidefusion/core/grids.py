@@ -5,6 +5,7 @@ size must be a positive multiple of its patch size, and the grid is the quotient
 does not divide is refused by name, never rounded (a model would crash or crop on it later).
 """
 
+import math
 from collections.abc import Sequence
 
 from slidefusion.core.errors import UserError
@@ -25,4 +26,12 @@ def token_grid(latent: Sequence[int], patch: Sequence[int], owner: str = "the mo
     return tuple(size // step for size, step in zip(sizes, patch))
 
 
-__all__ = ["AXES", "token_grid"]
+def pixel_grid(pixels: Sequence[int], stride: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
+    """The planner's estimate of the token grid of a clip of (frames, height, width) pixels through a
+    VAE of `stride` (t, h, w) and a patch: each axis rounded up, ceil(ceil(n / s) / p). For frames
+    ceil(n / s) is a causal video VAE's 1 + (n - 1) // s, so valid sizes give `token_grid`'s answer;
+    sizes a model would refuse are estimated rather than refused, as a plan is asked before any model."""
+    return tuple(math.ceil(math.ceil(n / s) / p) for n, s, p in zip(pixels, stride, patch))
+
+
+__all__ = ["AXES", "pixel_grid", "token_grid"]

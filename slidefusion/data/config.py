@@ -74,8 +74,10 @@ class DataConfig:
             value = getattr(self, name)
             check(value >= 1, f"data.{name}={value} must be >= 1")
         check(self.fps <= 1000, f"data.fps={self.fps} must be <= 1000 (the playback rate of exported videos)")
-        check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
-        check(self.start in START_MODES, f"data.start={self.start!r} is unknown; valid: {', '.join(START_MODES)}")
+        from slidefusion.data import DATASETS  # the registry of dataset kinds (data/__init__ imports this module)
+
+        choose(self.kind, DATASETS, "data.kind")
+        choose(self.start, START_MODES, "data.start")
         check(self.kind != "folder" or self.root or self.datasets is not None,
               "data.root must name the video folder when data.kind=folder (or list sources in data.datasets)")
         self._check_sources()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from slidefusion.data.video_io import read_video
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webm", ".avi")
 

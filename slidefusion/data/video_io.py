@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageSequence
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 MIN_SIDE = 256  # default upscaling target: model outputs of 32x32 are unreadable on screen
 GIF_MAX_REPEAT = 100  # bounds memory when a GIF holds one very long frame (e.g. a 10 s pause)

@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 
 def timestep_schedule(steps: int, shift: float = 1.0) -> Tensor:

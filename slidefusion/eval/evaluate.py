@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from slidefusion.data.shapes import MovingShapes, parse_caption
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.eval.shapes_detector import score, summarize
 from slidefusion.eval.video_metrics import video_metrics
 

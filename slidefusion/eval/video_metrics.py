@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 
 from slidefusion.data.video_io import to_uint8
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 # Farneback parameters, chosen for our tiny frames (32x32 to 64x64). OpenCV only builds a pyramid
 # level while it stays >= 32 px per side, so LEVELS is a cap: a 32x32 frame gets one level and a

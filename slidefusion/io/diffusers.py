@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.io.safetensors_stream import TensorEntry, read_header
 
 MODEL_INDEX, CONFIG = "model_index.json", "config.json"

@@ -14,7 +14,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from slidefusion.errors import DiskFullError, UserError
+from slidefusion.core.errors import DiskFullError, UserError
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 FULL_WORDS = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")

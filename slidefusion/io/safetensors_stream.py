@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from slidefusion.core.dtypes import SAFETENSORS
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 DTYPES = SAFETENSORS  # header code -> torch dtype, from the one dtype table
 _MAX_HEADER = 100 * 2**20  # the format's own limit

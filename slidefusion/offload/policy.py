@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from slidefusion.core import validate
-from slidefusion.core.errors import UserError, check
+from slidefusion.core.dtypes import COMPUTE, DTYPES, dtype_named
+from slidefusion.core.errors import UserError, check, unknown_value
 from slidefusion.io.config import PROGRAM_SET
 from slidefusion.optim import OptimConfig
 
 AUTO = "auto"
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the storage formats' spelling
-SHORT_NAMES = {v: k for k, v in DTYPE_ALIASES.items()}  # float32 -> fp32, as the storage formats spell it
+COMPUTE_DTYPES = {d.name: d.torch for d in DTYPES if d.name in COMPUTE}  # views of the one dtype table
+SHORT_NAMES = {d.name: d.short for d in DTYPES}  # float32 -> fp32, as the storage formats spell it
 MASTERS = ("fp32", "bf16")  # the weights AdamW updates, on the host
 MOMENTS = ("fp32", "bf16", "int8")  # AdamW's two moments, on the host
 ROUNDINGS = ("stochastic", "kahan")  # how a bf16 master keeps updates smaller than half its ulp
@@ -53,17 +53,17 @@ def _compute_dtype(value):
     """A torch dtype, from a dtype or its name (float32, bfloat16, float16; fp32, bf16, fp16), or auto."""
     if value == AUTO or value in COMPUTE_DTYPES.values():
         return value
-    name = DTYPE_ALIASES.get(value, value) if isinstance(value, str) else None
-    if name in COMPUTE_DTYPES:
-        return COMPUTE_DTYPES[name]
-    valid = ", ".join([*COMPUTE_DTYPES, *DTYPE_ALIASES, AUTO])
-    raise UserError(f"offload.compute_dtype={value!r} is unsupported; valid: {valid}")
+    if isinstance(value, str) and value in [*COMPUTE_DTYPES, *(SHORT_NAMES[n] for n in COMPUTE_DTYPES)]:
+        return dtype_named(value, "offload.compute_dtype")
+    valid = [*COMPUTE_DTYPES, *(SHORT_NAMES[n] for n in COMPUTE_DTYPES), AUTO]
+    raise unknown_value("offload.compute_dtype", value, valid, noun="unsupported")
 
 
 def _storage(key: str, value, valid: tuple[str, ...]) -> str:
     """A storage format's short name (fp32, bf16, int8), from it or its long name (float32, bfloat16)."""
     name = SHORT_NAMES.get(value, value) if isinstance(value, str) else value
-    check(name in valid, f"offload.{key}={value!r} is unknown; valid: {', '.join(valid)}")
+    if name not in valid:
+        raise unknown_value(f"offload.{key}", value, valid)
     return name
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.parallel.comm import ParallelError
 from slidefusion.parallel.plan import DEFAULT_TIMEOUT_S
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from slidefusion.core import validate
-from slidefusion.core.errors import NonFiniteError, UserError, check
+from slidefusion.core.errors import NonFiniteError, UserError, check, choose
 from slidefusion.io.files import atomic_file
 
 OUTPUT_TYPES = ("np", "pt", "latent")
@@ -111,7 +111,7 @@ class DiffusersCall:
         """Sample videos; see the module docstring. Returns a `VideoPipelineOutput` (a tuple
         `(frames,)` with return_dict=False, as diffusers). `parallel`: a `ParallelConfig` to run across
         the ranks of the initialised process group (`slidefusion.pipeline.parallel`)."""
-        check(output_type in OUTPUT_TYPES, f"output_type={output_type!r} is unknown; valid: {', '.join(OUTPUT_TYPES)}")
+        choose(output_type, OUTPUT_TYPES, "output_type")
         prompts, negatives = _prompts(prompt, negative_prompt)
         sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=num_frames or frames, height=height,
                                                                    width=width).items() if v is not None}}

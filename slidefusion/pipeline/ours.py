@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slidefusion import memory, validate
+from slidefusion import memory
+from slidefusion.core import validate
 from slidefusion.diffusion import sample
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.io.checkpoint import first_nonfinite, load_checkpoint, write_checkpoint
 from slidefusion.io.diffusers import is_pipeline_folder
 from slidefusion.models import VideoDiT, build_model, preset

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 if TYPE_CHECKING:
     from slidefusion.parallel import ParallelConfig, Tracer

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 from slidefusion.parallel import ParallelConfig, spawn
 from slidefusion.pipeline.call import save_latents as write_latents
 from slidefusion.pipeline.folder import FolderPipeline
@@ -59,7 +59,7 @@ def generate_pretrained(folder: str | Path, prompt: str, world: int, config: Par
     Returns (latents (1, C, T, H, W), video (3, F, H, W) or None). `request`: `FolderPipeline.latents`'s
     frames, height, width (required), steps, guidance, seed, negative_prompt. Every check that needs
     no weights runs first, here, so bad input is one UserError before any rank starts."""
-    from slidefusion import validate
+    from slidefusion.core import validate
     from slidefusion.data.video_io import check_video_path
 
     check(bool(str(prompt).strip()), "prompt must be a non-empty text")

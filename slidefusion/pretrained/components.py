@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.pretrained.folder import PretrainedFolder, open_folder
 
 LIBRARIES = ("diffusers", "transformers")

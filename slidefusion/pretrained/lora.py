@@ -18,7 +18,7 @@ import re
 import torch
 from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 ADAPTER = "default"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 from slidefusion.text.encoder import TextEncoder, check_prompts
 
 _FORMAT = "slidefusion.caption_cache/1"

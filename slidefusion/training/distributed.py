@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from slidefusion.diffusion.rows import Rows
-from slidefusion.core.errors import NonFiniteError, UserError, check
+from slidefusion.core.errors import UserError, check
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -11,7 +11,7 @@ int8 moments) is not converted: its numbers are not torch's.
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.offload.engine.layout import layout_of, split_groups
 from slidefusion.offload.engine.engine import engine_blocks
 

@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.io.checkpoint import TEMPORARY
 from slidefusion.io.files import write_text
 

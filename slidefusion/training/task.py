@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slidefusion.attention import memory_models
 from slidefusion import memory
 from slidefusion.data import build_dataset
 from slidefusion.data.shapes import DIRECTIONS, with_other_direction
@@ -85,7 +86,7 @@ def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int],
                                  frozen_dtype=config.lora.base_torch_dtype, frozen_scales=config.lora.base_scales)
     if config.parallel.sp > 1 and policy.tile == AUTO:  # tiles do not split over a sample's ranks: whole blocks
         policy = dataclasses.replace(policy, tile=None)
-    attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
+    attention = shape.attention if shape.attention in memory_models() else "dense"  # not modelled: the worst case
     work = Workload(batch=config.run.batch_size, tokens=math.prod(grid), attention=attention, frames=grid[0])
     return fitting_policy(model, blocks, policy, shape, work)
 

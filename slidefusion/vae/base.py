@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 
 _VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (a VAE saved with save_pretrained)"
 

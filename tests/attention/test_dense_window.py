@@ -18,7 +18,7 @@ from slidefusion.attention.reference import (
     window_attention_reference,
     window_segments,
 )
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from attention_inputs import qkv
 
 TOL = 1e-10

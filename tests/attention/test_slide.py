@@ -17,7 +17,7 @@ from slidefusion.attention.reference import (
     slide_attention_reference,
     window_starts,
 )
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from attention_inputs import assert_low_precision_matches_reference, qkv, random_offsets, tiled_op
 
 TOL = 1e-10

@@ -14,7 +14,7 @@ from slidefusion.attention import (
 from slidefusion.attention import backends
 from slidefusion.attention.backends import cpp
 from slidefusion.attention.reference import dense_attention_reference, slide_attention_reference
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from attention_inputs import extra_kv, grads, qkv, random_offsets
 
 TOL = 1e-10

@@ -215,7 +215,7 @@ def test_every_rank_exits_2_and_the_line_comes_first(world):
 
 
 def test_a_vae_that_decodes_nan_stops_in_one_line_and_writes_no_grey_video(tiny_wan_dir, tmp_path, capsys):
-    from slidefusion.errors import NonFiniteError
+    from slidefusion.core.errors import NonFiniteError
     from slidefusion.pipeline import FolderPipeline
 
     folder = damaged.nan_decoder(tiny_wan_dir, tmp_path, "nan-decoder")  # finite latents, NaN pixels
@@ -231,7 +231,7 @@ def test_a_vae_that_decodes_nan_stops_in_one_line_and_writes_no_grey_video(tiny_
 
 
 def test_save_pretrained_never_over_into_or_around_its_source(tiny_wan_dir, tmp_path):
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
     from slidefusion.pipeline import FolderPipeline
 
     source = tmp_path / "models" / "wan"

@@ -1,7 +1,6 @@
 """The bundled model: it loads, it fits the size budget, and it draws what the prompt asks for."""
 
 import numpy as np
-import pytest
 import torch
 
 from slidefusion.cli import main

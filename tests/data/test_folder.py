@@ -7,7 +7,7 @@ import torch
 from slidefusion.data import VideoFolder, build_dataset
 from slidefusion.data.folder import frame_indices, resize_center_crop
 from slidefusion.data.video_io import write_video
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 
 def _ramp(frames: int, height: int, width: int, color) -> np.ndarray:

@@ -20,7 +20,7 @@ from slidefusion.data.shapes import (
     render,
     sample_scene,
 )
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 
 def _mask(video: np.ndarray, color: str, tol: float = 60.0) -> np.ndarray:

@@ -8,7 +8,7 @@ import torch
 from slidefusion.data import frames as extraction
 from slidefusion.data.buckets import Bucket
 from slidefusion.data.media import probe, read_windows
-from slidefusion.data.sources import (NO_CAPTION, TOO_SHORT, TOO_SLOW, UNREADABLE, UNSUPPORTED, BAD_CAPTION, Rules,
+from slidefusion.data.sources import (NO_CAPTION, TOO_SHORT, UNREADABLE, UNSUPPORTED, BAD_CAPTION, Rules,
                                       SourceConfig, format_table, scan)
 from slidefusion.core.errors import UserError
 from slidefusion.testing.media import make_folder, ramp, write_media

@@ -4,7 +4,7 @@ import torch
 
 from slidefusion.data.shapes import MovingShapes
 from slidefusion.data.video_io import from_uint8, read_video, to_uint8, upscale_factor, write_video
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 
 def _color_blocks(frames: int, height: int, width: int) -> np.ndarray:

@@ -101,7 +101,7 @@ def test_direction_contrast_is_flow_loss_plus_the_hinge_on_rows_with_a_negative(
 def test_direction_contrast_settings_are_checked():
     import pytest
 
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
 
     with pytest.raises(UserError, match=r"diffusion.direction_contrast=-1 must be in \[0, 100\]"):
         FlowConfig(direction_contrast=-1)

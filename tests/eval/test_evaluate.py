@@ -9,7 +9,7 @@ import torch
 
 from slidefusion.cli import main
 from slidefusion.data.shapes import MovingShapes
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.eval.ablation import BUDGETS, VARIANTS, paired_differences, run_ablation
 from slidefusion.eval.evaluate import PROMPT_SEED, evaluate_ground_truth, evaluate_videos, held_out_prompts, read_prompts
 from slidefusion.pipeline import VideoPipeline

@@ -22,7 +22,7 @@ from slidefusion.data.shapes import (
     render,
 )
 from slidefusion.data.video_io import from_uint8, read_video, write_video
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.eval.shapes_detector import detect, score, summarize
 
 SIDE = 32

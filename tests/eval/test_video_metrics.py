@@ -4,7 +4,7 @@ import torch
 
 from slidefusion.data.shapes import ShapeObject, ShapeScene, render
 from slidefusion.data.video_io import from_uint8
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.eval.video_metrics import (
     _consistent,
     motion_smoothness,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from slidefusion.families import DIFFUSERS_CLASSES, TextConditioning, adapter_for, adapter_for_class
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.testing.tiny import FAMILIES, TEXT_DIM, TINY, family_latent_thw, tiny_latents, tiny_model, tiny_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast")  # Mochi's RoPE asks for fp32 autocast

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import PRESETS, DiT3D, STDiT, build_model, preset
 from slidefusion.models.layers import sincos_3d, unpatchify
 

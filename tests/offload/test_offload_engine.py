@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy, engine_plan, require_fit
 from slidefusion.optim import OptimConfig

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.optim import OptimConfig

@@ -3,7 +3,7 @@
 import pytest
 
 from slidefusion.cli import main
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import preset
 from slidefusion.offload.plan.plan import parse_bytes
 from slidefusion.offload.plan.planner import plan_training, tokens_for

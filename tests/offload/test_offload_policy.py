@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slidefusion.cli import main
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy, Sizing, Workload, engine_blocks, resolve
 from slidefusion.offload.plan.model_shape import shape_of_config

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine
 from slidefusion.offload.engine.pinning import HostAllocator

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.offload.tiling.activation_store import SpilledCheckpoints

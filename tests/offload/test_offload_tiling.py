@@ -10,7 +10,7 @@ from torch import nn
 
 from slidefusion.attention import GridAttention, build_attention
 from slidefusion.attention.functional import dense_attention
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.models.dit import FrameAttention, TimeAttention
 from slidefusion.models.layers import DiTBlock

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.parallel import ParallelConfig
 from slidefusion.parallel import decode_video
 from slidefusion.pipeline import generate_pretrained

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.pipeline import FolderPipeline, VideoPipeline, VideoPipelineOutput
 
 CALL = dict(num_frames=5, height=48, width=80, num_inference_steps=2, guidance_scale=4.0)

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.pretrained import (
     build_on_meta,
     iter_weights,

@@ -113,7 +113,7 @@ def test_a_meta_model_swapped_and_loaded_into_the_engine_equals_the_resident_swa
 
 
 def test_configured_attention_names_and_options():
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
     from slidefusion.swap import slide_attention_handle, use_configured_attention
     from slidefusion.testing.tiny import tiny_model
 

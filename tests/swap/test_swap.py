@@ -14,7 +14,7 @@ import torch
 
 from slidefusion import restore_attention, use_slide_attention
 from slidefusion.families import adapter_for
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.testing.tiny import family_latent_thw, tiny_latents, tiny_model, tiny_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast")  # Mochi's RoPE asks for fp32 autocast

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.text import CaptionCache, HFTextEncoder, TextEncoder, build_text_encoder
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a hub download here would be a bug, not a slow test

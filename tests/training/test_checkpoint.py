@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.io.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint
 from slidefusion.training import load_matching

@@ -1,6 +1,6 @@
 import pytest
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.training.config import TrainConfig, build, load_config
 
 

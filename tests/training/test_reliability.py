@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slidefusion.cli import main
-from slidefusion.errors import NonFiniteError, UserError
+from slidefusion.core.errors import NonFiniteError, UserError
 from slidefusion.training import Trainer, load_config
 from slidefusion.io.checkpoint import checkpoint_steps, load_checkpoint
 from slidefusion.training.run_folder import RunLock, remove_stale_temporaries, truncate_metrics

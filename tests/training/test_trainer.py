@@ -44,14 +44,14 @@ def test_init_from_loads_matching_weights_into_another_attention(tmp_path):
 
 
 def test_mismatched_text_width_is_a_user_error(tmp_path):
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
 
     with pytest.raises(UserError, match="model.text_dim=16 must equal the text encoder's width 384"):
         Trainer(_config(tmp_path, "model.text_dim=16"), quiet=True)
 
 
 def test_latent_channels_must_match_the_model(tmp_path):
-    from slidefusion.errors import UserError
+    from slidefusion.core.errors import UserError
 
     with pytest.raises(UserError, match="model.in_channels=4 must equal the autoencoder's latent channels 3"):
         Trainer(_config(tmp_path, "model.in_channels=4"), quiet=True)

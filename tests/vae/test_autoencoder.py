@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.vae import DiffusersVideoAutoencoder, IdentityAutoencoder, build_autoencoder
 from slidefusion.vae.base import latent_normalisation, video_vae_factors
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from slidefusion.core.dtypes import DTYPES
-from slidefusion.core.errors import UserError, check
+from slidefusion.core.errors import UserError, choose
 from slidefusion.offload.engine.transfer import Handle
 
 FP8_DTYPES = {d.name: d.torch for d in DTYPES if d.name.startswith("float8")}  # name -> dtype, from the one table
@@ -53,7 +53,7 @@ class FrozenCodes:
     `start`: where the frozen part begins in the group's flat layout (its trainable count)."""
 
     def __init__(self, entries, start: int, dtype: torch.dtype, per: str, allocate):
-        check(per in SCALES, f"lora.base_scales={per!r} is unknown; valid: {', '.join(SCALES)}")
+        choose(per, SCALES, "lora.base_scales")
         self.dtype, self.per, self.start = dtype, per, start
         self.entries = list(entries)
         self.numel = sum(e.numel for e in self.entries)

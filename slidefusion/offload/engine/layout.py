@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 REST = -1  # the key of the rest group (blocks are keyed by their index in call order)
 Named = list[tuple[str, nn.Parameter]]

@@ -9,7 +9,7 @@ Every tensor goes straight into its host buffers and can be freed at once.
 import torch
 from torch import nn
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:

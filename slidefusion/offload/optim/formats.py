@@ -14,6 +14,7 @@ Add the compute copy (2 B in bf16) unless it is the master. Frozen parameters ho
 
 import torch
 
+from slidefusion.core.dtypes import dtype_named
 from slidefusion.offload.engine.layout import Layout
 
 QBLOCK = 2048  # values per int8 quantization block (as in 8-bit Adam)
@@ -50,7 +51,7 @@ class Moments:
         starts) over values [lo, hi) of them, with block starts counted from lo."""
         self.kind = kind
         lo, hi = span or (0, n)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[kind]
+        dtype = torch.uint8 if kind == "int8" else dtype_named(kind)  # int8 moments: codes stored as bytes
         self.exp_avg, self.exp_avg_sq = allocate(hi - lo, dtype, False).zero_(), allocate(hi - lo, dtype, False).zero_()
         self.starts = self.scales = None
         if kind == "int8":

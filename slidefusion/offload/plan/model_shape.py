@@ -6,9 +6,7 @@ families list (`ModelAdapter.presets`, e.g. Wan 2.1 1.3B and 14B), and a diffuse
 folder's `config.json` (`--model DIR`, a pipeline folder's `transformer/` too).
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -64,17 +62,27 @@ def meta_transformer(adapter: ModelAdapter, config: dict) -> nn.Module:
 def shape_of_model(model: nn.Module, adapter: ModelAdapter, name: str = "",
                    attention: str = DIFFUSERS_ATTENTION) -> ModelShape:
     """The shape of a diffusers transformer (built on meta is enough), counted block by block."""
-    if adapter.widths is None:
-        raise UserError(f"--model: the planner cannot size {adapter.class_name} (its activation widths are not "
-                        f"declared); valid: {_plannable()}")
     from slidefusion.offload.tiling.tile_runner import tiling_refusal
 
     blocks = tuple(sum(p.numel() for p in b.parameters()) for b in adapter.blocks(model))
-    hidden, heads, ratio = adapter.widths(model)
+    hidden, heads, ratio = (adapter.widths or _config_widths)(model)
     rest = sum(p.numel() for p in model.parameters()) - sum(blocks)
     return ModelShape(name or adapter.class_name, blocks, rest, hidden, heads, ratio, adapter.patch_size(model),
                       attention, adapter.text.max_length, tileable=tiling_refusal(model) is None,
                       query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
+
+
+def _config_widths(model: nn.Module) -> tuple[int, int, float]:
+    """(hidden, heads, MLP ratio) from the diffusers config names most transformers share, for a family
+    that declares no `widths` of its own (the MLP taken as 4x where the config does not say)."""
+    cfg = getattr(model, "config", None)
+    try:
+        heads = int(cfg.num_attention_heads)
+        hidden = heads * int(cfg.attention_head_dim)
+    except (AttributeError, TypeError, ValueError):
+        raise UserError(f"--model: the planner cannot size {type(model).__name__} (its activation widths are not "
+                        f"declared); valid: {_plannable()}") from None
+    return hidden, heads, float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
 
 
 def published_shape(name: str) -> ModelShape | None:
@@ -96,16 +104,17 @@ def shape_of_config(config, name: str = "") -> ModelShape:
                       config.heads, config.mlp_ratio, tuple(config.patch_size), attention)
 
 
-def model_shape(model: str) -> ModelShape:
+def model_shape(model: str, folder_config: dict | None = None) -> ModelShape:
     """`--model`: one of our presets, a published diffusers model a family lists, or a diffusers
-    transformer folder."""
+    transformer folder, whose `config.json` the caller has read (`folder_config`: this package
+    opens no files; `cli.plan` reads it through `io.diffusers`)."""
     from slidefusion.models import PRESETS, preset
 
     published = published_shape(model)
     if published is not None:
         return published
-    if Path(model).is_dir():
-        return _folder_shape(Path(model))
+    if folder_config is not None:
+        return _folder_shape(model, folder_config)
     if model not in PRESETS:
         names = [*(n for a in adapters_with("presets") for n in a.presets), *PRESETS]
         raise UserError(f"--model={model!r} is neither a preset nor a folder; valid presets: "
@@ -113,17 +122,10 @@ def model_shape(model: str) -> ModelShape:
     return shape_of_config(preset(model), model)
 
 
-def _folder_shape(folder: Path) -> ModelShape:
-    path = next((p for p in (folder / "config.json", folder / "transformer" / "config.json") if p.is_file()), None)
-    if path is None:
-        raise UserError(f"--model={str(folder)!r} has no config.json (nor transformer/config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"--model: {path} is not readable JSON ({error})") from None
-    kind = cfg.get("_class_name") if isinstance(cfg, dict) else None
+def _folder_shape(folder: str, cfg: dict) -> ModelShape:
+    kind = cfg.get("_class_name")
     plannable = {a.class_name for a in adapters_with("widths")}
     if kind not in plannable:
-        raise UserError(f"--model: {path} describes {kind!r}; the planner supports {_plannable()}")
+        raise UserError(f"--model: {folder} describes {kind!r}; the planner supports {_plannable()}")
     adapter = adapter_for_class(kind)
-    return shape_of_model(meta_transformer(adapter, cfg), adapter, str(folder))
+    return shape_of_model(meta_transformer(adapter, cfg), adapter, folder)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slidefusion import validate
+from slidefusion.core import validate
 
 
 def parse_bytes(text: str | float, name: str) -> int:

@@ -26,7 +26,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from slidefusion.errors import UserError
+from slidefusion.core.grids import pixel_grid
+from slidefusion.core.errors import UserError
 from slidefusion.offload.optim.formats import update_bytes_per_param
 from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
 from slidefusion.offload.plan.plan import Plan, human
@@ -58,8 +59,8 @@ def tokens_for(frames: int, height: int, width: int, patch: tuple[int, int, int]
 
 
 def grid_for(frames: int, height: int, width: int, patch, stride) -> tuple[int, int, int]:
-    """The token grid (T', H', W') of one clip, rounded up on each axis."""
-    return tuple(math.ceil(n / s / p) for n, s, p in zip((frames, height, width), stride, patch))
+    """The token grid (T', H', W') of one clip of pixels: `core.grids.pixel_grid`, the one rule."""
+    return pixel_grid((frames, height, width), stride, patch)
 
 
 def plan_policy(model, work: Workload, policy: OffloadPolicy, machine: Machine) -> Plan:

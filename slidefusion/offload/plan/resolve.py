@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 from slidefusion.offload.plan.footprint import engine_plan, require_fit
 from slidefusion.offload.plan.model_shape import ModelShape
 from slidefusion.offload.plan.sizing import Sizing

@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.offload.engine.hooks import KeptCheckpoints
 from slidefusion.offload.engine.transfer import DONE, Handle, Worker
 from slidefusion.offload.tiling.spill import KEY, SpillFile, aligned

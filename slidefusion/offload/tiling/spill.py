@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 
 ALIGN = 4096  # offsets and lengths of direct I/O: a multiple of every logical block size in use
 CHUNK = 16 << 20  # bytes per read or write call

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from slidefusion.core import hooks
 
 from slidefusion.families import ADAPTERS, adapter_for
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check
 from slidefusion.offload.engine.hooks import WholeBlock
 from slidefusion.offload.tiling.tiled import Site, Sums, forward_tiles, grad_tiles, tiles_for
 from slidefusion.offload.tiling.token_tiles import TokenBlocks, token_tiling_refusal

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from slidefusion.families import ModelAdapter, adapter_for
 from slidefusion.attention.redirect import StockQueryTiles
 from slidefusion.core import hooks
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 
 _WHOLE = -1  # tree_map cannot return None for a leaf (None is an empty node to pytrees)
 

@@ -34,8 +34,7 @@ from slidefusion.core import validate
 from slidefusion.core.errors import UserError, check
 from slidefusion.offload import OffloadEngine, engine_blocks
 from slidefusion.offload.engine.fp8 import check_device
-from slidefusion.offload.plan.model_shape import STOCK_QUERY_TILE_PROJECTIONS, ModelShape
-from slidefusion.offload.tiling.tile_runner import tiling_refusal
+from slidefusion.offload.plan.model_shape import shape_of_model
 from slidefusion.pretrained import lora as lora_lib
 from slidefusion.pretrained.image import check_image_use, image_mode
 from slidefusion.swap import is_offset_weight, slide_attention_handle, slide_offset_weights, use_slide_attention
@@ -48,19 +47,6 @@ from slidefusion.training.validation import Validator
 
 log = logging.getLogger(__name__)
 RESIDENT_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two AdamW moments
-
-
-def model_shape(model: nn.Module, adapter, blocks, attention: str) -> ModelShape:
-    """What the offload planner needs of a diffusers transformer (built on meta is enough) whose
-    blocks in call order are `blocks`."""
-    counts = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    hidden = heads * int(cfg.attention_head_dim)
-    ratio = float(getattr(cfg, "ffn_dim", 0) or 4 * hidden) / hidden
-    rest = sum(p.numel() for p in model.parameters()) - sum(counts)
-    return ModelShape(adapter.class_name, counts, rest, hidden, heads, ratio, adapter.patch_size(model), attention,
-                      tileable=tiling_refusal(model) is None, query_tile_projections=STOCK_QUERY_TILE_PROJECTIONS)
 
 
 def slide_for_grid(cfg, grid: tuple[int, int, int]):
@@ -141,7 +127,7 @@ class FolderTask:
         if self.config.offload.enabled:
             attention = "slide" if self.slide is not None else "flash" if device.type == "cuda" else "dense"
             self.blocks = engine_blocks(meta, self.adapter)  # what the engine will stream: `prepare` builds it on these
-            shape = model_shape(meta, self.adapter, self.blocks, attention)
+            shape = shape_of_model(meta, self.adapter, attention=attention)
             policy = offload_policy(self.config, meta, self.blocks, self.grid, shape)
             if policy.frozen_dtype is not None:  # before any cache: a device without fp8 casts says so now
                 check_device(policy.frozen_dtype, policy.torch_device, policy.dtype)

@@ -30,6 +30,7 @@ ENGINE_MAY_IMPORT = ("slidefusion.io.config",)  # typed config records: no I/O
 ENGINE_FILES = {
     "offload/tiling/spill.py": "the spill file holds activations past host memory: memory, not a user file",
     "offload/plan/plan.py": "reads /proc/meminfo for the host's available memory",
+    "offload/optim/kernels.py": "reads its own C sources (package data) to name the build core.native caches",
     "offload/engine/shared_host.py": "the host copy a node's ranks share is memory in /dev/shm, not a user file",
 }
 # Not moved yet by the other half of the restructuring; the coordinator empties this after merging.

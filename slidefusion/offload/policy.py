@@ -32,7 +32,7 @@ from slidefusion.optim import OptimConfig
 
 AUTO = "auto"
 COMPUTE_DTYPES = {d.name: d.torch for d in DTYPES if d.name in COMPUTE}  # views of the one dtype table
-SHORT_NAMES = {d.name: d.short for d in DTYPES}  # float32 -> fp32, as the storage formats spell it
+SHORT_NAMES = {d.name: d.short for d in DTYPES if d.name in COMPUTE}  # float32 -> fp32, as the storage formats spell it
 MASTERS = ("fp32", "bf16")  # the weights AdamW updates, on the host
 MOMENTS = ("fp32", "bf16", "int8")  # AdamW's two moments, on the host
 ROUNDINGS = ("stochastic", "kahan")  # how a bf16 master keeps updates smaller than half its ulp

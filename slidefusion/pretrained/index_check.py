@@ -40,7 +40,7 @@ def check_index(index: dict, root: Path) -> None:
         pair = isinstance(value, list) and len(value) == 2 and (
             all(isinstance(v, str) and v for v in value) or value == [None, None])
         check(pair or (key not in COMPONENTS and not isinstance(value, list)),
-              f"{where}: {key}={value!r} must be a [library, class] pair, e.g. [\"diffusers\", \"AutoencoderKLWan\"] "
+              f"{where}: {key}={value!r} must be a [library, class] pair, e.g. [\"diffusers\", \"SomeClass\"] "
               "(or [null, null] for an absent component)")
     ratio = index.get("boundary_ratio")
     check(ratio is None or (_number(ratio) and 0 < ratio < 1),

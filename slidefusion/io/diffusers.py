@@ -57,10 +57,11 @@ def is_pipeline_folder(path: str | Path) -> bool:
 
 def model_dir(path: str | Path, component: str) -> Path | None:
     """The folder with `component`'s config.json: `path` itself when it is a model folder, its
-    `component/` subfolder when it is a pipeline folder; None when neither holds one."""
+    `component/` subfolder when it is a pipeline folder (or any folder holding that subfolder, as a
+    pipeline copied in part does); None when neither holds one."""
     path = Path(path).expanduser()
     kind = folder_kind(path)
-    found = path if kind == MODEL else path / component if kind == PIPELINE else None
+    found = path if kind == MODEL else path / component if kind in (PIPELINE, None) else None
     return found if found is not None and (found / CONFIG).is_file() else None
 
 

@@ -214,7 +214,7 @@ class OffloadEngine:
         self.synchronize()
         if self.dp is None:
             return next((k for k, v in self.model_state_dict().items() if v.is_floating_point()
-                         and not torch.isfinite(v).all()), None)
+                         and v.element_size() > 1 and not torch.isfinite(v).all()), None)  # fp8 codes: frozen
         return first_nonfinite(self.state, self.dp.comm)
 
     def state_dict(self) -> dict:

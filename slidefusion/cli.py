@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from slidefusion import cli_args as types
+from slidefusion import cli_help
 from slidefusion.cli_args import ArgumentParser, one_line
 from slidefusion.errors import UserError
 
@@ -215,17 +216,22 @@ def parser() -> ArgumentParser:
     add_plan_parser(sub)
     add_evaluate_parser(sub)
     add_experiment_parser(sub)
-    return root
+    return cli_help.finish(root)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit code (0, 2 for a user mistake, 3 for a stopped run)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else argv
     with warnings.catch_warnings():
         warnings.showwarning = _warning_line
+        root = parser()
+        if not argv:  # a bare `slidefusion` lists the commands and succeeds, as `pip` and `docker` do
+            root.print_help()
+            return 0
         try:
-            args = parser().parse_args(argv)
+            args = root.parse_args(argv)
         except SystemExit as done:  # argparse: --help (0) or a one-line error (2)
             return done.code if isinstance(done.code, int) else 0 if done.code is None else 2
         prog = args.command_parser.prog
@@ -235,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             kind = "stopped" if getattr(error, "exit_code", 2) != 2 else "error"
             print(f"{prog}: {kind}: {one_line(error)}", file=sys.stderr)
             return getattr(error, "exit_code", 2)
+        except ModuleNotFoundError as error:  # an optional dependency: name the extra that brings it
+            if cli_help.missing_extra(error) is None:
+                raise
+            print(f"{prog}: error: {cli_help.missing_extra(error)}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return 130

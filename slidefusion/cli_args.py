@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slidefusion import validate
+from slidefusion.cli_help import config_flag_hint
 from slidefusion.errors import UserError
 
 
@@ -47,7 +48,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:  # reported by the subcommand that was running, so its name leads the line
-            namespace.command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            hint = config_flag_hint(extras)  # `--lora.rank 4`: say to write lora.rank=4
+            namespace.command_parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return namespace
 
 

@@ -51,11 +51,12 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slidefusion.models import build_model, preset
-from slidefusion.offload import OffloadEngine, OffloadPolicy, kernels
-from slidefusion.offload.adam import adamw_parallel_, run_ranges
-from slidefusion.offload.formats import QBLOCK, update_bytes_per_param
-from slidefusion.offload.lean import LeanBuffers, block_edges, lean_adamw_, prepared_kernel, seeds
-from slidefusion.offload.planner import parse_bytes
+from slidefusion.offload import OffloadEngine, OffloadPolicy
+from slidefusion.offload.optim import kernels
+from slidefusion.offload.optim.adam import adamw_parallel_, run_ranges
+from slidefusion.offload.optim.formats import QBLOCK, update_bytes_per_param
+from slidefusion.offload.optim.lean import LeanBuffers, block_edges, lean_adamw_, prepared_kernel, seeds
+from slidefusion.offload.plan.plan import parse_bytes
 from slidefusion.optim import OptimConfig
 
 import offload_wan  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path

@@ -23,8 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slidefusion.offload import kernels, lean
-from slidefusion.offload.formats import QBLOCK
+from slidefusion.core import native
+from slidefusion.offload.optim import lean
+from slidefusion.offload.optim import kernels
+from slidefusion.offload.optim.formats import QBLOCK
 from slidefusion.optim import OptimConfig
 
 import offload as bench  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
@@ -50,7 +52,8 @@ def build(name: str, terms: list[str], folder: Path) -> ctypes.CDLL:
     source, target = folder / f"{name}.c", folder / f"{name}.so"
     source.write_text(text)
     adam = SOURCE.with_name("adamw_kernels.c")
-    subprocess.run(["gcc", *kernels.FLAGS, str(adam), str(source), "-o", str(target)], check=True)
+    subprocess.run(["gcc", *native.NATIVE, *kernels.FLAGS, "-fPIC", "-shared", str(adam), str(source), "-o", str(target)],
+                   check=True)
     return kernels._signatures(ctypes.CDLL(str(target)))
 
 

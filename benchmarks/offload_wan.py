@@ -22,7 +22,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from slidefusion.adapters import TextConditioning, adapter_for
+from slidefusion.families import TextConditioning, adapter_for
 from slidefusion.offload import OffloadEngine, OffloadPolicy
 from slidefusion.optim import OptimConfig
 

@@ -13,6 +13,19 @@ JSON with the machine facts.
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --quick
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --suite wan --ranks 4
+
+`--anchor diffusers` runs the grid against diffusers' own context parallelism instead (`--grid-ranks`,
+`--tokens`, `--links`, `--batch` pick part of it, to split the long 32k-token rows into jobs): the same
+random WanTransformer3DModel and inputs under diffusers' `enable_parallelism(ContextParallelConfig(
+ulysses_degree=P))` and under slidefusion's schedules (ulysses plain and sliced, ring, usp, `--slices
+auto`, `--parallel auto`), alternating, with diffusers' collectives delayed by the same link rule
+(`slidefusion.testing.cp_anchor`); tokens 2k / 8k / 32k x links none / 2 / 0.5 Gb/s x 2 and 4 ranks.
+On CPU diffusers needs one workaround (its device-count division), recorded in the JSON; its ring
+needs a CUDA attention backend, so on CPU the anchor is its Ulysses. 4 ranks on a 2-core machine
+time-share the cores: compare those rows with care.
+
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --anchor diffusers --quick
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/parallel.py --anchor diffusers
 """
 
 import argparse
@@ -30,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from slidefusion.adapters import TextConditioning, adapter_for  # noqa: E402
+from slidefusion.families import TextConditioning, adapter_for  # noqa: E402
 from slidefusion.parallel import LinkDelay, ParallelConfig, Tracer, hooks, parallelize, spawn  # noqa: E402
 from slidefusion.parallel.auto import measure_costs  # noqa: E402
 from slidefusion.parallel.comm import Comm  # noqa: E402
@@ -82,7 +95,7 @@ def _outside_blocks_seconds(model, call) -> float:
     """One forward with every block skipped: embedding, conditioning, output head (not split here)."""
     skipped = copy.deepcopy(model)
     for block in adapter_for(skipped).blocks(skipped):
-        hooks.attach(block, lambda module, x, *args, **kwargs: x)
+        hooks.attach(block, "skip", lambda module, call_next, x, *args, **kwargs: x)
     call(skipped)
     start = time.perf_counter()
     for _ in range(3):
@@ -131,7 +144,8 @@ def job(rank, world, options):
 def run_suite(suite: str, args) -> dict:
     model, overrides, latent, quick_latent, cases = SUITES[suite]
     options = {"model": model, "overrides": overrides, "latent": quick_latent if args.quick else latent,
-               "gbps": args.gbps, "latency_us": args.latency_us, "warmup": 1, "repeats": 3 if args.quick else 7,
+               "gbps": args.gbps, "latency_us": args.latency_us, "warmup": 1,
+               "repeats": args.repeats or (3 if args.quick else 7),
                "cases": [c for c in cases if SCHEDULES[c[0]].heads or suite == "st"]}
     start = time.perf_counter()
     results = spawn(job, args.ranks, options, timeout_s=600)
@@ -146,6 +160,14 @@ def run_suite(suite: str, args) -> dict:
     return {"options": options, "rows": rows, "all_ranks": results, "seconds": time.perf_counter() - start}
 
 
+def machine() -> dict:
+    import diffusers
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "diffusers": diffusers.__version__, "threads_per_rank": 1, "load_average": os.getloadavg(),
+            "python": platform.python_version()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller latents and 3 repeats (about a minute)")
@@ -153,18 +175,31 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--gbps", type=float, default=0.5, help="emulated link, Gb/s (default 0.5)")
     parser.add_argument("--latency-us", type=float, default=200.0)
-    parser.add_argument("--out", default="outputs/benchmarks/parallel.json")
+    parser.add_argument("--anchor", choices=["diffusers"], help="the grid against diffusers' context parallelism")
+    parser.add_argument("--grid-ranks", default=None, help="--anchor: comma-separated rank counts (default 2,4)")
+    parser.add_argument("--tokens", default=None, help="--anchor: comma-separated token counts of 2048, 8192, 32768")
+    parser.add_argument("--links", default=None, help="--anchor: comma-separated links of none, 2, 0.5 (Gb/s)")
+    parser.add_argument("--batch", type=int, default=2, choices=[1, 2], help="--anchor: 2 = a CFG batch (default)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 7; --quick 3)")
+    parser.add_argument("--out", default=None, help="JSON (default outputs/benchmarks/parallel[_anchor].json)")
     args = parser.parse_args()
+    if args.anchor:
+        from parallel_anchor import run_anchor_grid
+
+        report = {"anchor": args.anchor, **run_anchor_grid(args), "machine": machine()}
+        return write(report, args.out or "outputs/benchmarks/parallel_anchor.json")
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    report = {"ranks": args.ranks, "suites": {s: run_suite(s, args) for s in suites},
-              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "torch": torch.__version__, "threads_per_rank": 1,
-                          "load_average": os.getloadavg()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    report = {"ranks": args.ranks, "suites": {s: run_suite(s, args) for s in suites}, "machine": machine()}
+    write(report, args.out or "outputs/benchmarks/parallel.json")
+
+
+def write(report: dict, out: str) -> None:
+    """Atomically: a reader never sees half a file."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(out).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

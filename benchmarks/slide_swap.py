@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slidefusion import restore_attention, use_slide_attention  # noqa: E402
-from slidefusion.adapters import adapter_for  # noqa: E402
+from slidefusion.families import adapter_for  # noqa: E402
 from slidefusion.testing.tiny import family_latent_thw, tiny_latents, tiny_model, tiny_text  # noqa: E402
 
 FAMILIES = ("wan", "cogvideox", "cogvideox1.5", "hunyuanvideo", "mochi", "ltx", "latte", "dit3d", "stdit")

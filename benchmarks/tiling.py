@@ -105,7 +105,7 @@ def _wan(spec: dict, device):
     import diffusers
     import torch
 
-    from slidefusion.adapters import TextConditioning, adapter_for
+    from slidefusion.families import TextConditioning, adapter_for
 
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(**WAN, num_layers=spec["depth"]).to(device)
@@ -122,7 +122,7 @@ def run_child(spec: dict) -> dict:
     import torch
 
     from slidefusion.offload import OffloadEngine, OffloadPolicy
-    from slidefusion.offload.training import engine_blocks
+    from slidefusion.offload import engine_blocks
     from slidefusion.optim import OptimConfig
 
     device = torch.device(spec["device"])
@@ -182,7 +182,7 @@ def disk_bandwidth(folder: str, megabytes: int) -> dict:
     """Write then read `megabytes` through a SpillFile (large aligned writes, O_DIRECT if taken): GB/s."""
     import torch
 
-    from slidefusion.offload.spill import SpillFile
+    from slidefusion.offload.tiling.spill import SpillFile
 
     data = torch.randint(0, 255, (megabytes << 20,), dtype=torch.uint8)
     spill = SpillFile(folder)

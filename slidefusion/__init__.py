@@ -5,7 +5,7 @@
 
 __version__ = "0.1.0"  # the one definition: pyproject.toml reads it
 
-_LAZY = {"use_slide_attention": "slidefusion.processors", "restore_attention": "slidefusion.processors"}
+_LAZY = {"use_slide_attention": "slidefusion.swap", "restore_attention": "slidefusion.swap"}
 
 
 def __getattr__(name: str):

@@ -1,26 +1,5 @@
-"""The one exception type for user mistakes.
+"""Kept for imports written before `slidefusion.core`: the same objects as `slidefusion.core.errors`."""
 
-Anything a user can get wrong (a config key, a size, a path) raises `UserError` with a one-line
-message that names the parameter and says what would be valid. The CLI turns it into that line on
-stderr and exit code 2, without a traceback. Programming errors stay ordinary exceptions.
-"""
+from slidefusion.core.errors import DiskFullError, NonFiniteError, UserError, check, choose, unknown_value
 
-
-class UserError(ValueError):
-    """Bad input from the user: a one-line message naming the parameter and the valid choices."""
-
-
-def check(condition: bool, message: str) -> None:
-    """Raise `UserError(message)` unless `condition` holds."""
-    if not condition:
-        raise UserError(message)
-
-
-class NonFiniteError(UserError):
-    """Training or sampling produced NaN or infinity and stopped before writing anything from it.
-
-    Not a typing mistake but still the user's to fix (usually the learning rate), so it is one
-    line like any `UserError`; the CLI exits with `exit_code` to tell it apart from bad input.
-    """
-
-    exit_code = 3
+__all__ = ["DiskFullError", "NonFiniteError", "UserError", "check", "choose", "unknown_value"]

@@ -12,18 +12,15 @@ import math
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.attention import memory_model
+from slidefusion.core import grids
+from slidefusion.core.errors import UserError
 from slidefusion.models import ModelConfig, build_model
-from slidefusion.offload.planner import (
-    WORKING_VALUES_PER_TOKEN,
-    Workload,
-    attention_workspace,
-    available_host_memory,
-    human,
-)
+from slidefusion.models.dit import ARCHITECTURES
+from slidefusion.offload.plan.plan import available_host_memory, human
+from slidefusion.offload.tiling.activations import WORKING_VALUES_PER_TOKEN, Workload, attention_workspace
 
 FP32 = 4
-KNOWN_ATTENTION = ("dense", "window", "slide")
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -32,8 +29,8 @@ def parameter_count(config: ModelConfig) -> int:
 
 
 def token_grid(config: ModelConfig, latent: tuple[int, int, int, int]) -> tuple[int, int, int]:
-    """(T', H', W') tokens for a latent (C, T, H, W); the model itself checks divisibility."""
-    return tuple(max(1, n // p) for n, p in zip(latent[1:], config.patch_size))
+    """(T', H', W') tokens for a latent (C, T, H, W), by the one rule (`core.grids`)."""
+    return grids.token_grid(latent[1:], config.patch_size, ARCHITECTURES[config.arch].__name__)
 
 
 def attention_bytes(config: ModelConfig, batch: int, grid: tuple[int, int, int], value_bytes: int = FP32) -> int:
@@ -43,8 +40,8 @@ def attention_bytes(config: ModelConfig, batch: int, grid: tuple[int, int, int],
         calls = [(batch * t, h * w, config.attention), (batch * h * w, t, "dense")]
     else:
         calls = [(batch, t * h * w, config.attention)]
-    sizes = [attention_workspace(Workload(b, n, kind), config.heads, config.hidden, value_bytes)[0]
-             for b, n, kind in calls if kind in KNOWN_ATTENTION]
+    sizes = [attention_workspace(Workload(b, n, memory_model(kind)), config.heads, config.hidden, value_bytes)[0]
+             for b, n, kind in calls if memory_model(kind) is not None]
     return max(sizes, default=0)
 
 

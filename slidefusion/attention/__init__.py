@@ -20,9 +20,20 @@ from slidefusion.attention.modules import (
     SlideAttention3d,
     WindowAttention3d,
 )
-from slidefusion.attention.registry import available_attention, build_attention, register_attention
+from slidefusion.attention.registry import (
+    FUSED,
+    AttentionKind,
+    available_attention,
+    build_attention,
+    memory_model,
+    memory_models,
+    register_attention,
+    swappable,
+)
 
 __all__ = [
+    "FUSED",
+    "AttentionKind",
     "DenseAttention3d",
     "GridAttention",
     "NeighborhoodAttention3d",
@@ -34,9 +45,12 @@ __all__ = [
     "dense_attention",
     "effective_kernel",
     "joint_attention",
+    "memory_model",
+    "memory_models",
     "merge_attention",
     "neighborhood_attention",
     "register_attention",
     "slide_attention",
+    "swappable",
     "window_attention",
 ]

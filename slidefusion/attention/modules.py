@@ -21,7 +21,8 @@ from slidefusion.attention.functional import (
 )
 from slidefusion.attention.registry import register_attention
 from slidefusion.attention.tiling import TileRule, neighborhood_halo, slide_halo, window_rule
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose
+from slidefusion.core.validate import renamed_keys
 
 
 class GridAttention(nn.Module):
@@ -116,14 +117,14 @@ def _reject_unknown(name: str, options: dict, valid: Sequence[str]) -> None:
         raise UserError(f"attention={name!r} has no option {unknown}; valid: {', '.join(valid) or 'none'}")
 
 
-@register_attention("dense")
+@register_attention("dense", memory="dense", swap=True)
 def build_dense(dim: int, heads: int, *, block_index: int = 0, **options) -> DenseAttention3d:
     qkv_bias = options.pop("qkv_bias", True)
     _reject_unknown("dense", options, ["qkv_bias"])
     return DenseAttention3d(dim, heads, qkv_bias=qkv_bias)
 
 
-@register_attention("window")
+@register_attention("window", memory="window")
 def build_window(dim: int, heads: int, *, block_index: int = 0, **options) -> WindowAttention3d:
     """Windows of `window_size`; odd blocks shift by half a window on every axis (Swin's alternation)."""
     window_size = options.pop("window_size", (2, 4, 4))
@@ -151,37 +152,36 @@ class NeighborhoodAttention3d(GridAttention):
         return f"{super().extra_repr()}, kernel_size={self.kernel_size}"
 
 
-OFFSET_MODES = ("sample", "shift")
+OFFSETS = ("sample", "shift")  # the offset network's forms (see `_OffsetLayers`)
 
 
 class _OffsetLayers:
     """The learned offsets of slide attention, shared by `SlideAttention3d` and `OffsetNet`.
 
     The offset network reads the queries: a depthwise 3x3x3 Conv3d (local motion context), GELU,
-    and a Linear to `heads * K * 3` offsets (offset_mode="sample", one per window slot, the paper's
-    form) or `heads * 3` (offset_mode="shift": the whole window of each head moves, K times cheaper
+    and a Linear to `heads * K * 3` offsets (offsets="sample", one per window slot, the paper's
+    form) or `heads * 3` (offsets="shift": the whole window of each head moves, K times cheaper
     to predict). The Linear starts at zero, so training starts as neighbourhood attention, and
     offsets are bounded to +-max_offset tokens by a tanh; below 1 the kernels' halo grows by only
     one token per side.
     """
 
-    def _build_offset_layers(self, dim: int, heads: int, kernel_size, offset_mode: str, max_offset: float) -> None:
+    def _build_offset_layers(self, dim: int, heads: int, kernel_size, offsets: str, max_offset: float) -> None:
         self.kernel_size = check_kernel_size(kernel_size)
-        check(offset_mode in OFFSET_MODES,
-              f"offset_mode={offset_mode!r} is unknown; valid: {', '.join(OFFSET_MODES)}")
+        choose(offsets, OFFSETS, "offsets")
         check(
             isinstance(max_offset, (int, float)) and not isinstance(max_offset, bool) and max_offset > 0,
             f"max_offset={max_offset!r} must be a number > 0 (tokens)",
         )
-        self.offset_mode, self.max_offset, self.offset_heads = offset_mode, float(max_offset), heads
+        self.offsets, self.max_offset, self.offset_heads = offsets, float(max_offset), heads
         kt, kh, kw = self.kernel_size
-        self.slots = kt * kh * kw if offset_mode == "sample" else 1
+        self.slots = kt * kh * kw if offsets == "sample" else 1
         self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)
         self.offset_linear = nn.Linear(dim, heads * self.slots * 3)
         nn.init.zeros_(self.offset_linear.weight)
         nn.init.zeros_(self.offset_linear.bias)
 
-    def offsets(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
+    def predict_offsets(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
         """Queries (B, T, H, W, heads, D) -> offsets (B, T, H, W, heads, K or 1, 3) in tokens for
         `kernel`, the window the op uses (`kernel_size` clamped to the grid)."""
         B, T, H, W, heads, D = q.shape
@@ -202,19 +202,19 @@ class _OffsetLayers:
 
 class OffsetNet(_OffsetLayers, nn.Module):
     """The offset network of slide attention on its own, for attention modules we do not own
-    (diffusers' processors, see `slidefusion.processors`). `forward(q, kernel)` = `offsets`."""
+    (diffusers' processors, see `slidefusion.swap`). `forward(q, kernel)` = `predict_offsets`."""
 
-    def __init__(self, dim: int, heads: int, kernel_size: Sequence[int] = (3, 7, 7), offset_mode: str = "sample",
+    def __init__(self, dim: int, heads: int, kernel_size: Sequence[int] = (3, 7, 7), offsets: str = "sample",
                  max_offset: float = 0.9):
         super().__init__()
         check(dim % heads == 0, f"dim={dim} must be divisible by heads={heads}")
-        self._build_offset_layers(dim, heads, kernel_size, offset_mode, max_offset)
+        self._build_offset_layers(dim, heads, kernel_size, offsets, max_offset)
 
     def forward(self, q: torch.Tensor, kernel: tuple[int, int, int]) -> torch.Tensor:
-        return self.offsets(q, kernel)
+        return self.predict_offsets(q, kernel)
 
     def extra_repr(self) -> str:
-        return f"kernel_size={self.kernel_size}, offset_mode={self.offset_mode!r}, max_offset={self.max_offset}"
+        return f"kernel_size={self.kernel_size}, offsets={self.offsets!r}, max_offset={self.max_offset}"
 
 
 class SlideAttention3d(_OffsetLayers, GridAttention):
@@ -230,20 +230,20 @@ class SlideAttention3d(_OffsetLayers, GridAttention):
         dim: int,
         heads: int,
         kernel_size: Sequence[int] = (3, 7, 7),
-        offset_mode: str = "sample",
+        offsets: str = "sample",
         max_offset: float = 0.9,
         qkv_bias: bool = True,
     ):
         super().__init__(dim, heads, qkv_bias)
-        self._build_offset_layers(dim, heads, kernel_size, offset_mode, max_offset)
+        self._build_offset_layers(dim, heads, kernel_size, offsets, max_offset)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernel = effective_kernel(self.kernel_size, tuple(q.shape[1:4]))  # the window the op will use
-        return slide_attention(q, k, v, self.kernel_size, offsets=self.offsets(q, kernel))
+        return slide_attention(q, k, v, self.kernel_size, offsets=self.predict_offsets(q, kernel))
 
     def extra_repr(self) -> str:
         return (
-            f"{super().extra_repr()}, kernel_size={self.kernel_size}, offset_mode={self.offset_mode!r}, "
+            f"{super().extra_repr()}, kernel_size={self.kernel_size}, offsets={self.offsets!r}, "
             f"max_offset={self.max_offset}"
         )
 
@@ -252,7 +252,7 @@ def _kernel_option(options: dict) -> tuple[int, int, int]:
     return check_kernel_size(tuple(options.pop("kernel_size", (3, 7, 7))))  # a YAML list becomes a tuple
 
 
-@register_attention("neighborhood")
+@register_attention("neighborhood", swap=True)
 def build_neighborhood(dim: int, heads: int, *, block_index: int = 0, **options) -> NeighborhoodAttention3d:
     kernel = _kernel_option(options)
     qkv_bias = options.pop("qkv_bias", True)
@@ -260,11 +260,12 @@ def build_neighborhood(dim: int, heads: int, *, block_index: int = 0, **options)
     return NeighborhoodAttention3d(dim, heads, kernel, qkv_bias=qkv_bias)
 
 
-@register_attention("slide")
+@register_attention("slide", memory="slide", swap=True)
 def build_slide(dim: int, heads: int, *, block_index: int = 0, **options) -> SlideAttention3d:
+    options = renamed_keys(options, {"offset_mode": "offsets"}, "model.attention_options")
     kernel = _kernel_option(options)
-    mode = options.pop("offset_mode", "sample")
+    offsets = options.pop("offsets", "sample")
     max_offset = options.pop("max_offset", 0.9)
     qkv_bias = options.pop("qkv_bias", True)
-    _reject_unknown("slide", options, ["kernel_size", "offset_mode", "max_offset", "qkv_bias"])
-    return SlideAttention3d(dim, heads, kernel, mode, max_offset, qkv_bias=qkv_bias)
+    _reject_unknown("slide", options, ["kernel_size", "offsets", "max_offset", "qkv_bias"])
+    return SlideAttention3d(dim, heads, kernel, offsets, max_offset, qkv_bias=qkv_bias)

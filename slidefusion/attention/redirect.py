@@ -4,7 +4,7 @@ A diffusers attention processor computes its projections, QK-norm and RoPE with 
 code and then calls `F.scaled_dot_product_attention` once. `RedirectAttention`, a
 `TorchFunctionMode` (torch's documented hook for intercepting torch functions in a region), answers
 that call with another function on the same q, k, v; every other torch function runs as is, and
-nothing in torch or diffusers is patched. `slidefusion.processors` answers it with slide attention;
+nothing in torch or diffusers is patched. `slidefusion.swap` answers it with slide attention;
 `StockQueryTiles` here uses it to tile a dense self-attention by queries:
 
   tile_keys(y, ...)         the processor on one tile's tokens y (B, n, C), stopped at its attention

@@ -153,7 +153,8 @@ def slide_attention_reference(
     The window is clamped to the grid per axis (kernel min(k, L)). Sample point of (query, slot) =
     window position + offset, clamped into [0, L - 1] per axis; keys and values there are read by
     trilinear interpolation. offsets: None or (B, T, H, W, heads, K or 1, 3) in token units, last
-    dim (dt, dh, dw). With extra keys, every query also scores extra_k (B, L, heads, D) (where
+    dim (dt, dh, dw); an infinite offset puts its point on the edge, a NaN one makes its query-head's
+    output NaN (as a NaN input does in any torch op). With extra keys, every query also scores extra_k (B, L, heads, D) (where
     extra_mask (B, L) is True, or everywhere), and one softmax runs over [window slots ; extra
     keys]. Returns out (B, T, H, W, heads, D), plus lse (B, T, H, W, heads) = log sum exp of the
     scaled scores with `return_lse`.
@@ -169,10 +170,12 @@ def slide_attention_reference(
         points = points + offsets.to(dtype).reshape(B, N, heads, -1, 3)  # (B, N, heads, K, 3)
     points = points.expand(B, N, heads, -1, 3)
     limit = torch.tensor([T - 1, H - 1, W - 1], device=q.device, dtype=dtype)
-    points = torch.minimum(points.clamp(min=0), limit)
+    points = torch.minimum(points.clamp(min=0), limit)  # an infinite offset lands on the edge
+    nan = points.isnan().any(dim=-1)  # (B, N, heads, K): read at 0, then the query-head's output is NaN
+    points = points.nan_to_num(0.0)
     keys, values = trilinear_sample(k, points), trilinear_sample(v, points)  # (B, N, heads, K, D)
     qf = q.reshape(B, N, heads, D)
-    scores = torch.einsum("bnhd,bnhkd->bnhk", qf, keys) * scale  # (B, N, heads, K)
+    scores = (torch.einsum("bnhd,bnhkd->bnhk", qf, keys) * scale).masked_fill(nan, float("nan"))  # (B, N, heads, K)
     if extra_k is not None:
         extra = torch.einsum("bnhd,blhd->bnhl", qf, extra_k.to(dtype)) * scale  # (B, N, heads, L)
         if extra_mask is not None:

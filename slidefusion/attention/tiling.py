@@ -1,7 +1,7 @@
 """What part of the token grid a self-attention's outputs depend on: the capability tiling reads.
 
 A module that can run on a slab of the grid declares `tile_rule(grid) -> TileRule`; an engine
-then runs the block around it slab by slab (`slidefusion.offload.tiled`). A module without the
+then runs the block around it slab by slab (`slidefusion.offload.tiling.tiled`). A module without the
 method has an unknown halo and cannot be tiled.
 
 A tile is a range [a, b) along one grid axis of (B, T, H, W, C) (frames, or rows for attention

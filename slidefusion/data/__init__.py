@@ -27,7 +27,7 @@ from slidefusion.data.shapes import (
     sample_scene,
 )
 from slidefusion.data.video_io import from_uint8, read_video, to_uint8, write_video
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError, unknown_value
 
 DATASETS: dict[str, type[Dataset]] = {"shapes": MovingShapes, "folder": VideoFolder}
 
@@ -38,7 +38,7 @@ def build_dataset(kind: str, **kwargs) -> Dataset:
     Bad keywords become a UserError too, because they usually come straight from a config file.
     """
     if kind not in DATASETS:
-        raise UserError(f"dataset kind {kind!r} is unknown; valid: {', '.join(DATASETS)}")
+        raise unknown_value("data.kind", kind, DATASETS)
     cls = DATASETS[kind]
     signature = inspect.signature(cls)
     try:

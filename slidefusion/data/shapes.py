@@ -19,7 +19,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from slidefusion.data.video_io import from_uint8
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose
 
 # Saturated hues far apart, so a colour mask (or a metric) can tell objects apart after lossy coding.
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -67,7 +67,7 @@ BEHIND_SHARE = 1.0 / 3.0
 
 
 def _valid(name: str, value: str, vocabulary) -> None:
-    check(value in vocabulary, f"{name}={value!r} is unknown; valid: {', '.join(vocabulary)}")
+    choose(value, vocabulary, name)
 
 
 def _is_int(value) -> bool:

@@ -144,12 +144,15 @@ def write_video(path: str | os.PathLike, video, fps: float = 8, upscale: int | N
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"out: cannot create folder {out.parent}: {err.strerror or err}") from err
+    from slidefusion.io.diskfull import writing
+
     tmp = _temp_path(out)
-    try:
-        _WRITERS[suffix](tmp, frames, fps)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with writing(f"the video {out.name}", out.parent, None, "no partial video was left"):
+        try:
+            _WRITERS[suffix](tmp, frames, fps)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
+from slidefusion.diffusion.rows import Rows, local_rows
 
 
 @dataclass
@@ -19,6 +20,9 @@ class FlowConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     caption_dropout: float = 0.1  # the fraction of captions replaced by "" so CFG has an unconditional model
+    # image-to-video fine-tunes: the fraction of steps that train without the image (its states and
+    # latents zeroed; Wan 2.2 TI2V: a text-to-video step)
+    image_dropout: float = 0.0
     # The direction contrast (`contrastive_flow_loss`): weight of the hinge that asks the loss with
     # the caption's direction changed to exceed the true caption's by `contrast_margin`; 0 is off.
     direction_contrast: float = 0.0
@@ -28,6 +32,7 @@ class FlowConfig:
     def __post_init__(self):
         check(self.logit_std > 0, f"diffusion.logit_std={self.logit_std} must be > 0")
         check(0 <= self.caption_dropout < 1, f"diffusion.caption_dropout={self.caption_dropout} must be in [0, 1)")
+        check(0 <= self.image_dropout < 1, f"diffusion.image_dropout={self.image_dropout} must be in [0, 1)")
         check(0 <= self.direction_contrast <= 100,
               f"diffusion.direction_contrast={self.direction_contrast} must be in [0, 100] (0 is off)")
         check(0 < self.contrast_margin <= 10, f"diffusion.contrast_margin={self.contrast_margin} must be in (0, 10]")
@@ -49,21 +54,22 @@ def interpolate(x0: Tensor, noise: Tensor, t: Tensor) -> Tensor:
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
 
 
-def flow_loss(velocity: VelocityFn, x0: Tensor, config: FlowConfig, generator: torch.Generator) -> Tensor:
+def flow_loss(velocity: VelocityFn, x0: Tensor, config: FlowConfig, generator: torch.Generator,
+              rows: Rows | None = None) -> Tensor:
     """Mean squared velocity error at logit-normal times; `velocity(x_t, t)` is the model.
 
     Noise and times come from `generator` on the CPU, so a step's randomness depends on the seed
-    alone, not on the device or on what ran before.
+    alone, not on the device or on what ran before. `rows`: x0 holds these rows of a larger batch
+    (data-parallel), whose times and noise are drawn whole and cut (`rows.Rows`).
     """
-    t = sample_timesteps(x0.shape[0], config, generator)
-    noise = torch.randn(x0.shape, generator=generator).to(x0)
+    t, noise = _draws(x0, config, generator, local_rows(rows, x0.shape[0]))
     target = noise - x0
     prediction = velocity(interpolate(x0, noise, t), t.to(x0.device))
     return torch.mean((prediction.float() - target.float()) ** 2)
 
 
 def contrastive_flow_loss(velocity: VelocityFn, x0: Tensor, has_negative: Tensor, config: FlowConfig,
-                          generator: torch.Generator) -> Tensor:
+                          generator: torch.Generator, rows: Rows | None = None) -> Tensor:
     """`flow_loss` plus the direction contrast, from one forward pass over twice the batch.
 
     `velocity(x_t, t)` takes (2B, ...) inputs: rows 0..B-1 are the clips with their own captions,
@@ -76,16 +82,25 @@ def contrastive_flow_loss(velocity: VelocityFn, x0: Tensor, has_negative: Tensor
     yet depend on them (docs/results/demo-model.md, probe 6); the hinge's gradient is the difference of the
     two captions' predictions, so it acts on exactly that. An ideal denoiser meets the default
     margin at every t below ~0.95, so the hinge does not pull away from the regression's optimum.
-    Draws t and noise as `flow_loss` does, so without negatives the two are the same loss.
+    Draws t and noise as `flow_loss` does, so without negatives the two are the same loss. With
+    `rows`, `has_negative` is the whole batch's (B_total,), and the hinge is scaled so that the mean
+    of every rank's loss is the loss of the whole batch.
     """
-    batch = x0.shape[0]
-    t = sample_timesteps(batch, config, generator)
-    noise = torch.randn(x0.shape, generator=generator).to(x0)
+    batch, rows = x0.shape[0], local_rows(rows, x0.shape[0])
+    t_all = sample_timesteps(rows.total, config, generator)
+    t, noise = rows.take(t_all), rows.take(torch.randn((rows.total, *x0.shape[1:]), generator=generator)).to(x0)
     target = (noise - x0).float()
     x_t = interpolate(x0, noise, t)
     prediction = velocity(torch.cat([x_t, x_t]), torch.cat([t, t]).to(x0.device)).float()
     error = ((prediction - torch.cat([target, target])) ** 2).flatten(1).mean(1)
     true, negative = error[:batch], error[batch:]
-    mask = (has_negative & (t >= config.contrast_min_t)).to(error.device, torch.float32)
+    everywhere = (has_negative & (t_all >= config.contrast_min_t)).to(torch.float32)  # the whole batch's rows
+    mask = rows.take(everywhere).to(error.device)
     hinge = torch.relu(config.contrast_margin - (negative - true)) * mask
-    return true.mean() + config.direction_contrast * hinge.sum() / mask.sum().clamp(min=1)
+    return true.mean() + config.direction_contrast * hinge.sum() / rows.share / everywhere.sum().clamp(min=1)
+
+
+def _draws(x0: Tensor, config: FlowConfig, generator: torch.Generator, rows: Rows) -> tuple[Tensor, Tensor]:
+    """(t (B,), noise like x0) of this process's rows, drawn for the whole batch."""
+    t = rows.take(sample_timesteps(rows.total, config, generator))
+    return t, rows.take(torch.randn((rows.total, *x0.shape[1:]), generator=generator)).to(x0)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import check, choose, unknown_value
 from slidefusion.eval.evaluate import (
     SamplingSettings,
     evaluate_ground_truth,
@@ -41,7 +41,7 @@ from slidefusion.eval.evaluate import (
     write_json,
 )
 from slidefusion.models import preset
-from slidefusion.training.checkpoint import checkpoint_steps, load_checkpoint
+from slidefusion.io.checkpoint import checkpoint_steps, load_checkpoint
 from slidefusion.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, build
 
 # Every local attention sees the same number of keys per query (3 x 5 x 5 = 75 tokens) at the
@@ -50,8 +50,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "dense": ("dense", {}),
     "window": ("window", {"window_size": [3, 5, 5]}),  # Swin: shifted by half a window on odd blocks
     "neighborhood": ("neighborhood", {"kernel_size": [3, 5, 5]}),  # slide with offsets fixed at zero
-    "slide": ("slide", {"kernel_size": [3, 5, 5], "offset_mode": "sample"}),  # the paper's per-sample offsets
-    "slide-shift": ("slide", {"kernel_size": [3, 5, 5], "offset_mode": "shift"}),  # one window shift per head
+    "slide": ("slide", {"kernel_size": [3, 5, 5], "offsets": "sample"}),  # the paper's per-sample offsets
+    "slide-shift": ("slide", {"kernel_size": [3, 5, 5], "offsets": "shift"}),  # one window shift per head
 }
 
 
@@ -233,7 +233,7 @@ def run_ablation(budget: Budget, out: str | Path, variants: list[str] | None = N
     """Run (or finish) the whole ablation into `out`; returns the results written to results.json."""
     variants = list(VARIANTS) if variants is None else variants
     for variant in variants:
-        check(variant in VARIANTS, f"variant {variant!r} is unknown; valid: {', '.join(VARIANTS)}")
+        choose(variant, VARIANTS, "variant")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -325,5 +325,5 @@ def plot_losses(runs: dict, path: Path) -> Path:
 
 def budget_named(name: str) -> Budget:
     if name not in BUDGETS:
-        raise UserError(f"--budget {name!r} is unknown; valid: {', '.join(BUDGETS)}")
+        raise unknown_value("--budget", name, BUDGETS)
     return BUDGETS[name]

@@ -111,7 +111,7 @@ from slidefusion.data.shapes import (
     parse_caption,
 )
 from slidefusion.data.video_io import to_uint8
-from slidefusion.errors import check
+from slidefusion.core.errors import check, choose
 
 RESIDUAL_MAX = 70.0  # RGB distance off the bg -> colour segment still counted as that colour
 ALPHA_MIN = 0.15  # weaker blends are background (codec ringing, noise)
@@ -461,7 +461,7 @@ def _mean_colours(seg, iy, ix, h, crop, present) -> np.ndarray:
 
 
 def _detect(seg: Segmentation, color: str) -> Track:
-    check(color in COLORS, f"color={color!r} is unknown; valid: {', '.join(COLORS)}")
+    choose(color, COLORS, "color")
     k = list(COLORS).index(color)
     t, height, width = seg.label.shape
     short = min(height, width)

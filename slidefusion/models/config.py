@@ -2,9 +2,10 @@
 
 from dataclasses import asdict, dataclass, field, fields
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose, unknown_value
 
-ARCHS = ("dit3d", "stdit")
+# The architectures' names, the one list: models/dit.py maps each to its class in this order.
+ARCHITECTURES = ("dit3d", "stdit")
 # Far beyond any real model (the 105 B preset is 8192 wide, 71 deep), and small enough that even
 # building the model on the meta device (for planning and memory estimates) stays instant.
 LIMITS = {"in_channels": 1024, "hidden": 65536, "depth": 1024, "heads": 1024, "text_dim": 65536}
@@ -36,7 +37,7 @@ class ModelConfig:
 
     def __post_init__(self):
         self.patch_size = tuple(self.patch_size)
-        check(self.arch in ARCHS, f"model.arch={self.arch!r} is unknown; valid: {', '.join(ARCHS)}")
+        choose(self.arch, ARCHITECTURES, "model.arch")
         check(
             len(self.patch_size) == 3 and all(isinstance(p, int) and 1 <= p <= 64 for p in self.patch_size),
             f"model.patch_size={self.patch_size} must be three ints in 1..64 (pt, ph, pw)",
@@ -85,5 +86,5 @@ PRESETS: dict[str, dict] = {
 def preset(name: str, **overrides) -> ModelConfig:
     """The config registered as `name`, with `overrides` applied on top."""
     if name not in PRESETS:
-        raise UserError(f"model preset {name!r} is unknown; valid: {', '.join(PRESETS)}")
+        raise unknown_value("model.preset", name, PRESETS)
     return ModelConfig.from_dict({**PRESETS[name], **overrides})

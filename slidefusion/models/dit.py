@@ -11,8 +11,9 @@ from torch import Tensor, nn
 
 from slidefusion.attention import DenseAttention3d, build_attention
 from slidefusion.attention.tiling import TileRule
-from slidefusion.errors import UserError
-from slidefusion.models.config import ModelConfig
+from slidefusion.core.errors import UserError
+from slidefusion.core.grids import token_grid
+from slidefusion.models.config import ARCHITECTURES as ARCH_NAMES, ModelConfig
 from slidefusion.models.layers import (
     DiTBlock,
     FinalLayer,
@@ -46,12 +47,7 @@ class VideoDiT(nn.Module):
         """The (T', H', W') token grid for latents of `shape` (B, C, T, H, W), or a UserError."""
         if len(shape) != 5 or shape[1] != self.config.in_channels:
             raise UserError(f"latents must be (B, {self.config.in_channels}, T, H, W), got {tuple(shape)}")
-        grid = []
-        for axis, size, patch in zip(("frames", "height", "width"), shape[2:], self.config.patch_size):
-            if size % patch:
-                raise UserError(f"latent {axis}={size} must be a multiple of the patch size {patch}")
-            grid.append(size // patch)
-        return tuple(grid)
+        return token_grid(shape[2:], self.config.patch_size, type(self).__name__)
 
     def embed(self, x: Tensor, t: Tensor, context: Tensor,
               context_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -139,7 +135,7 @@ class STDiT(VideoDiT):
         return blocks
 
 
-ARCHITECTURES: dict[str, type[VideoDiT]] = {"dit3d": DiT3D, "stdit": STDiT}
+ARCHITECTURES: dict[str, type[VideoDiT]] = dict(zip(ARCH_NAMES, (DiT3D, STDiT), strict=True))
 
 
 def build_model(config: ModelConfig, device: str | torch.device | None = None) -> VideoDiT:

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from slidefusion.adapters import TextConditioning
+from slidefusion.families import TextConditioning
 from slidefusion.parallel.layout import Split
 from slidefusion.parallel.simulate import FullCosts, Link, StepCosts, best_slices
 from slidefusion.parallel.trace import Tracer

@@ -35,6 +35,24 @@ class LinkDelay:
         return self.latency_us * 1e-6 + nbytes * 8 / (self.gbps * 1e9)
 
 
+class _LinkQueue:
+    """When this rank's emulated outgoing link is next free (perf_counter seconds)."""
+
+    free: float = 0.0
+
+
+class _Works:
+    """Several point-to-point works as one; holds the sent tensor until they are done."""
+
+    def __init__(self, works: list, keep: Tensor | None):
+        self.works, self.keep = works, keep
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.keep = None
+
+
 class Handle:
     """An in-flight collective; `wait()` returns its output tensor once it has arrived."""
 
@@ -75,13 +93,20 @@ class Comm:
         self.global_rank = dist.get_rank()
         self.tracer = tracer or Tracer(rank=dist.get_rank(), enabled=False)
         self.link = link
-        self._link_free = 0.0
+        self._queue = _LinkQueue()
+
+    def sub(self, group) -> "Comm":
+        """A Comm on `group` (a subgroup this rank belongs to) sharing this one's tracer, link emulation
+        and emulated link queue: a rank has one outgoing link whichever group a transfer belongs to."""
+        comm = Comm(group, self.tracer, self.link)
+        comm._queue = self._queue
+        return comm
 
     def _ready_at(self, issued: float, nbytes: int) -> float:
         if self.link is None:
             return 0.0
-        self._link_free = max(issued, self._link_free) + self.link.seconds(nbytes)
-        return self._link_free
+        self._queue.free = max(issued, self._queue.free) + self.link.seconds(nbytes)
+        return self._queue.free
 
     def all_to_all(self, send: Tensor, send_numels: list[int], recv_numels: list[int], name: str) -> Handle:
         """Start an uneven all-to-all of flat buffers: rank j gets send's j-th piece."""
@@ -94,6 +119,26 @@ class Comm:
             raise ParallelError(f"rank {self.global_rank}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
         remote = (sum(send_numels) - send_numels[self.rank]) * send.element_size()
         return Handle(self, work, recv, name, issued, self._ready_at(issued, remote))
+
+    def send_recv(self, send: Tensor | None, dst: int, recv: Tensor | None, src: int, tag: int, name: str) -> Handle:
+        """Start sending `send` to group rank `dst` and receiving into `recv` from group rank `src` (a ring
+        hop); an empty or None tensor moves nothing. `wait()` waits for both and returns `recv`. The
+        emulated link delays the hop by what this rank sends (ring neighbours send alike)."""
+        issued = time.perf_counter()
+        ops = []
+        if send is not None and send.numel():
+            send = send.contiguous()
+            ops.append(dist.P2POp(dist.isend, send, group=self.group, tag=tag, group_peer=dst))
+        if recv is not None and recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, tag=tag, group_peer=src))
+        try:
+            # One batch: NCCL groups the pair, so a ring of 2 (the same peer both ways) cannot deadlock.
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as error:
+            raise ParallelError(f"rank {self.global_rank}: {name} could not start: {str(error).splitlines()[0][:200]}") from error
+        nbytes = 0 if send is None else send.numel() * send.element_size()
+        ready = self._ready_at(issued, nbytes) if nbytes else 0.0
+        return Handle(self, _Works(works, send), recv, name, issued, ready)
 
     def all_gather(self, x: Tensor, name: str) -> list[Tensor]:
         """Blocking gather of equally-shaped tensors from every rank (pad uneven ones first)."""

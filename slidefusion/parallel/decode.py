@@ -1,7 +1,7 @@
 """The VAE decode split over the ranks, exactly: spatial tiles after the last global operation
-(AutoencoderKLWan), or frames (2-D image VAEs such as Latte's AutoencoderKL, which decode each frame alone).
+(Wan's causal 3D VAE; where a decoder splits is its family's `VaeFacts.splits`), or frames (2-D image VAEs such as Latte's AutoencoderKL, which decode each frame alone).
 
-AutoencoderKLWan decodes one latent frame at a time, causally: each causal 3D convolution keeps the
+Wan's VAE decodes one latent frame at a time, causally: each causal 3D convolution keeps the
 last frames of its input in a cache that the next frame reads. A split in *time* would need that
 cache, and its state after frame f depends on every frame before (through ~30 layers, more latent
 frames of history than a video has), so it cannot start a rank mid-video. A split in *space* can:
@@ -19,29 +19,15 @@ other sizes sum in another order). The halo is computed from the up path's modul
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from slidefusion.families import TileSplit, vae_facts
 from slidefusion.parallel import hooks
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.exchange import gather_shards
 from slidefusion.parallel.layout import Split
-
-
-@dataclass(frozen=True)
-class TileSplit:
-    """Where a VAE class may be cut: `prefix_end` is the module after which everything is local;
-    `tail` the modules that follow it, in call order (their receptive field is the halo)."""
-
-    prefix_end: str
-    tail: tuple[str, ...]
-
-
-VAE_SPLITS: dict[str, TileSplit] = {
-    "AutoencoderKLWan": TileSplit("decoder.mid_block", ("decoder.up_blocks", "decoder.norm_out", "decoder.conv_out")),
-}
 
 
 def halo(vae: nn.Module, split: TileSplit, axis: int) -> int:
@@ -61,7 +47,8 @@ def halo(vae: nn.Module, split: TileSplit, axis: int) -> int:
 
 
 def can_split(vae: nn.Module) -> bool:
-    return type(vae).__name__ in VAE_SPLITS
+    """The VAE's family says where its decoder splits (`VaeFacts.splits`)."""
+    return vae_facts(type(vae).__name__)[1] is not None
 
 
 def frames_decode(vae: nn.Module, latents: Tensor, comm: Comm | None) -> Tensor:
@@ -86,7 +73,7 @@ def split_decode(vae: nn.Module, latents: Tensor, comm: Comm) -> Tensor:
     the up path split over the group's ranks by columns (or rows); the whole video on every rank."""
     if comm.size == 1 or not can_split(vae):
         return vae.decode(latents, return_dict=False)[0]
-    split = VAE_SPLITS[type(vae).__name__]
+    split = vae_facts(type(vae).__name__)[1]
     axis = -1 if latents.shape[-1] >= latents.shape[-2] else -2
     size = latents.shape[axis]
     if size < comm.size:  # fewer latent columns than ranks: nothing to split
@@ -96,14 +83,14 @@ def split_decode(vae: nn.Module, latents: Tensor, comm: Comm) -> Tensor:
     lo, hi = max(0, start - reach), min(size, start + count + reach)
     prefix_end = vae.get_submodule(split.prefix_end)
 
-    def crop(module, *args, **kwargs):  # the mid-block's output, whole frame -> this tile and its halo
-        return hooks.stock_forward(module, *args, **kwargs).narrow(axis, lo, hi - lo)
+    def crop(module, call_next, *args, **kwargs):  # the mid-block's output, whole frame -> this tile and its halo
+        return call_next(*args, **kwargs).narrow(axis, lo, hi - lo)
 
-    hooks.attach(prefix_end, crop)
+    hooks.attach(prefix_end, "crop", crop)
     try:
         tile = vae.decode(latents, return_dict=False)[0]
     finally:
-        hooks.detach(prefix_end)
+        hooks.detach(prefix_end, "crop")
     ratio = tile.shape[axis] // (hi - lo)  # output pixels per latent pixel
     mine = tile.narrow(axis, (start - lo) * ratio, count * ratio)
     sizes = [n * ratio for n in Split(size, comm.size).sizes]

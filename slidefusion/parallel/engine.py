@@ -20,13 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
+from slidefusion.core import hooks as registry
+from slidefusion.core.errors import UserError, check
 from slidefusion.parallel import hooks
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.layers import LayerCall, LayerHook
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.plan import SCHEDULES, ParallelConfig, Plan, Schedule, check_slices, plan_for
 from slidefusion.parallel.records import access_for
+from slidefusion.parallel.ring import RingCall, RingHook
 from slidefusion.parallel.tokens import Tokens
 from slidefusion.parallel.trace import Tracer
 from slidefusion.parallel.ulysses import UlyssesCall, UlyssesHook
@@ -39,17 +41,25 @@ class Engine:
     def __init__(self, plan: Plan, schedule: Schedule, comm: Comm, pair: Comm | None, tracer: Tracer):
         self.plan, self.schedule, self.comm, self.pair, self.tracer = plan, schedule, comm, pair, tracer
         self.slices = 1
+        self.grid = None  # ring / usp: this rank's U x R groups (`ring.Grid`); None: Ulysses or a layer schedule
+        self.tuning: dict | None = None  # what `calibrate.tune` measured and chose, when it ran
 
-    def __call__(self, model: nn.Module, *args, **kwargs):
+    @property
+    def cfg_batch(self) -> bool:
+        """The model must be called with conditional and unconditional halves in one batch (what
+        CFG-parallel splits); samplers read this off the hook (`slidefusion.core.hooks`)."""
+        return self.pair is not None
+
+    def __call__(self, model: nn.Module, call_next, *args, **kwargs):
         if hooks.current_call() is not None:  # a call made from inside a parallel call: already set up
-            return hooks.stock_forward(model, *args, **kwargs)
+            return call_next(*args, **kwargs)
         bound = hooks.bind(model, args, kwargs)
         with self.tracer.step():
             if self.pair is None:
-                return self.run(model, bound)
-            return self._cfg(model, bound)
+                return self.run(model, bound, call_next)
+            return self._cfg(model, bound, call_next)
 
-    def run(self, model: nn.Module, bound):
+    def run(self, model: nn.Module, bound, call_next):
         """One model call across the sequence group."""
         hidden = bound.arguments[hooks.first_argument(bound)]
         grid = self.plan.adapter.grid_from_call(model, bound.args[1:], bound.kwargs)
@@ -60,7 +70,7 @@ class Engine:
             if isinstance(value, Tensor) and value.ndim > dim:
                 bound.arguments[name] = tokens.cut(value, dim)
         with hooks.calling(self._call(tokens)):
-            return hooks.call_bound(bound)
+            return hooks.call_bound(call_next, bound)
 
     def probe(self, fn, slices: int, hooks_fn=None) -> Tracer:
         """Run `fn()` (a call of the model) with `slices`, no CFG pair and a fresh enabled tracer,
@@ -79,13 +89,15 @@ class Engine:
         return tracer
 
     def _call(self, tokens: Tokens):
+        if self.schedule.heads and self.grid is not None:
+            return RingCall(self.comm, tokens, self.slices, self.tracer, self.grid)
         if self.schedule.heads:
             return UlyssesCall(self.comm, tokens, self.slices, self.tracer)
         counts = (self.schedule.slices(FRAMES, self.slices), self.schedule.slices(POSITIONS, self.slices))
         return LayerCall(self.comm, tokens, tuple(self.plan.kinds), counts, self.schedule.overlap,
                          dict(self.plan.access.rows), self.plan.access.chained, self.tracer)
 
-    def _cfg(self, model: nn.Module, bound):
+    def _cfg(self, model: nn.Module, bound, call_next):
         """Conditional and unconditional halves of the batch on the two rank groups, then swapped."""
         batch = bound.arguments[hooks.first_argument(bound)].shape[0]
         if batch % 2:
@@ -95,7 +107,7 @@ class Engine:
             value = bound.arguments.get(name)
             if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == batch:
                 bound.arguments[name] = value.narrow(0, side * half, half)
-        return _join_halves(self.pair, self.run(model, bound))
+        return _join_halves(self.pair, self.run(model, bound, call_next))
 
 
 def _join_halves(pair: Comm, out):
@@ -144,20 +156,23 @@ def attach_hooks(model: nn.Module, plan: Plan, schedule: Schedule) -> None:
     """The schedule's hooks where the model's modules already sit (replacing earlier ones)."""
     access = plan.access
     hooks.detach_all(model)
-    hooks.attach(model.get_submodule(access.output), hooks.GatherHook())
+    registry.refuse_hooks(model, hooks.REFUSED)
+    hooks.attach(model.get_submodule(access.output), "gather", hooks.GatherHook())
     for path, dim in access.token_outputs.items():
-        hooks.attach(model.get_submodule(path), hooks.TokenHook(dim))
+        hooks.attach(model.get_submodule(path), "tokens", hooks.TokenHook(dim))
     if not schedule.heads:
         for i, block in enumerate(plan.blocks):
-            hooks.attach(block, LayerHook(i))
+            hooks.attach(block, "layer", LayerHook(i))
         return
-    hooks.attach(plan.blocks[0], hooks.ShardHook(plan.kinds[0]))
+    hooks.attach(plan.blocks[0], "shard", hooks.ShardHook(plan.kinds[0]))
     for block, kind in zip(plan.blocks, plan.kinds):
         if kind == "temporal" and access.rows.get(kind):
-            hooks.attach(block, hooks.RowsHook(access.rows[kind]))
+            hooks.attach(block, "rows", hooks.RowsHook(access.rows[kind]))
+    # RingHook runs Ulysses calls too (auto may choose them); one name either way: the head-site hook.
+    hook = RingHook if schedule.ring else UlyssesHook
     for site in plan.head_sites:
         module = model.get_submodule(site.path)
-        hooks.attach(module, UlyssesHook(site, access_for(module)))
+        hooks.attach(module, "ring" if schedule.ring else "ulysses", hook(site, access_for(module)))
 
 
 def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | None]:
@@ -178,13 +193,17 @@ def _groups(config: ParallelConfig, group, timeout) -> tuple[object, object | No
     return seq, pair
 
 
-def _resolve_slices(model, engine: Engine, config: ParallelConfig, latent_shape) -> int:
+def _resolve_slices(model, engine: Engine, config: ParallelConfig, latent_shape, group) -> int:
     slices = config.requested_slices
     check_slices(engine.plan, engine.schedule, slices)
     if slices != "auto":
         return slices
     if latent_shape is None:
         raise UserError("slices='auto' measures this run's costs first: pass latent_shape=(B, C, T, H, W)")
+    if engine.schedule.heads and engine.plan.full and engine.comm.size > 1:  # the cost model of calibrate.py
+        from slidefusion.parallel.calibrate import tune
+
+        return tune(model, engine, group, latent_shape, {(engine.comm.size, 1): None}).slices
     from slidefusion.parallel.auto import choose_slices
 
     return choose_slices(engine, model, tuple(latent_shape))
@@ -209,6 +228,11 @@ def parallelize(model: nn.Module, config: ParallelConfig, group=None, tracer: Tr
     attach_hooks(model, plan, schedule)
     pair_comm = None if pair is None else Comm(pair, tracer, config.link_delay)
     engine = Engine(plan, schedule, comm, pair_comm, tracer)
-    hooks.attach(model, engine)
-    engine.slices = _resolve_slices(model, engine, config, latent_shape)
+    hooks.attach(model, "engine", engine)
+    if schedule.ring:  # the U x R groups, and the choices auto leaves open
+        from slidefusion.parallel.calibrate import setup_ring
+
+        setup_ring(model, engine, config, group, latent_shape)
+    else:
+        engine.slices = _resolve_slices(model, engine, config, latent_shape, group)
     return ParallelDiT(model, engine, config)

@@ -1,11 +1,12 @@
-"""In-place hooks: parallel code runs where a module already sits, and the model stays as it is.
+"""The parallel plans' hooks: parallel code runs where a module already sits, and the model stays as it is.
 
-`attach(module, hook)` routes `module(*args)` through `hook(module, *args, **kwargs)`, the way
-diffusers' HookRegistry does: the module object, its class, parameters and state-dict keys are
-untouched, and `detach` restores the class's forward. Hooks carry only what they were attached for
-(a site, a block kind); what a parallel call needs (process group, this call's tokens, slices) is
-handed to them per call by `calling`, so outside a parallel call a hooked module runs exactly as
-before. The model's own forward runs on every rank; the hooks change only what its modules see.
+Every hook goes through the one registry (`slidefusion.core.hooks`) under a name starting with
+"parallel", so it chains with other users' hooks and `detach_all` removes exactly these. A hook is
+`hook(module, call_next, *args, **kwargs)`: `call_next` is the module's forward below it. Hooks carry
+only what they were attached for (a site, a block kind); what a parallel call needs (process group,
+this call's tokens, slices) is handed to them per call by `calling`, so outside a parallel call a
+hooked module runs exactly as before. The model's own forward runs on every rank; the hooks change
+only what its modules see.
 """
 
 import contextlib
@@ -15,36 +16,33 @@ import inspect
 
 from torch import Tensor, nn
 
-_HOOK = "_slidefusion_parallel_hook"
+from slidefusion.core import hooks as registry
+
+PREFIX = "parallel"
 _CALL: contextvars.ContextVar = contextvars.ContextVar("slidefusion_parallel_call", default=None)
+# Offload streaming and tiling train one process; the parallel plans split inference over ranks.
+# Neither engine expects the other's calls, so a model carries one of them at a time.
+REFUSED = {"offload": "the offload engine trains one process; close it before parallelize",
+           "tiling": "tiled blocks run one process; untile_blocks(model) before parallelize"}
 
 
-def attach(module: nn.Module, hook) -> None:
-    """Route `module`'s forward through `hook(module, *args, **kwargs)` (replacing an earlier hook)."""
-    object.__setattr__(module, _HOOK, hook)
-    object.__setattr__(module, "forward", functools.partial(hook, module))
+def attach(module: nn.Module, name: str, hook) -> None:
+    """Add `hook(module, call_next, *args, **kwargs)` to `module` as "parallel.<name>", outermost."""
+    registry.add_hook(module, f"{PREFIX}.{name}", hook)
 
 
-def detach(module: nn.Module) -> None:
-    if hasattr(module, _HOOK):
-        object.__delattr__(module, _HOOK)
-        object.__delattr__(module, "forward")
+def detach(module: nn.Module, name: str) -> None:
+    registry.remove_hook(module, f"{PREFIX}.{name}")
 
 
 def detach_all(model: nn.Module) -> None:
-    """Remove every parallel hook from `model` and its submodules."""
-    for module in model.modules():
-        detach(module)
+    """Remove every parallel hook from `model` and its submodules (others' hooks stay)."""
+    registry.remove_hooks(model, PREFIX)
 
 
-def hooked(module: nn.Module):
-    """The hook attached to `module`, or None."""
-    return getattr(module, _HOOK, None)
-
-
-def stock_forward(module: nn.Module, *args, **kwargs):
-    """The module's own forward, bypassing its hook."""
-    return type(module).forward(module, *args, **kwargs)
+def hooked(module: nn.Module, name: str):
+    """The parallel hook `name` on `module`, or None."""
+    return registry.get_hook(module, f"{PREFIX}.{name}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,9 +60,9 @@ def first_argument(bound: inspect.BoundArguments) -> str:
     return list(bound.signature.parameters)[1]
 
 
-def call_bound(bound: inspect.BoundArguments):
-    """The module's own forward on (possibly edited) bound arguments."""
-    return type(bound.arguments["self"]).forward(*bound.args, **bound.kwargs)
+def call_bound(call_next, bound: inspect.BoundArguments):
+    """`call_next` (the module's forward below the hook) on (possibly edited) bound arguments."""
+    return call_next(*bound.args[1:], **bound.kwargs)
 
 
 def rebound(bound: inspect.BoundArguments, **changes) -> inspect.BoundArguments:
@@ -93,13 +91,13 @@ class ShardHook:
     def __init__(self, kind: str):
         self.kind = kind
 
-    def __call__(self, module: nn.Module, *args, **kwargs):
+    def __call__(self, module: nn.Module, call_next, *args, **kwargs):
         call = current_call()
         if call is None:
-            return stock_forward(module, *args, **kwargs)
+            return call_next(*args, **kwargs)
         bound = bind(module, args, kwargs)
         name = first_argument(bound)
-        return call_bound(rebound(bound, **{name: call.tokens.shard(bound.arguments[name], self.kind)}))
+        return call_bound(call_next, rebound(bound, **{name: call.tokens.shard(bound.arguments[name], self.kind)}))
 
 
 class RowsHook:
@@ -109,14 +107,14 @@ class RowsHook:
     def __init__(self, names: tuple[str, ...]):
         self.names = names
 
-    def __call__(self, module: nn.Module, *args, **kwargs):
+    def __call__(self, module: nn.Module, call_next, *args, **kwargs):
         call = current_call()
         if call is None:
-            return stock_forward(module, *args, **kwargs)
+            return call_next(*args, **kwargs)
         bound = bind(module, args, kwargs)
         cut = {name: call.tokens.cut_rows(bound.arguments[name], *call.tokens.span)
                for name in self.names if isinstance(bound.arguments.get(name), Tensor)}
-        return call_bound(rebound(bound, **cut))
+        return call_bound(call_next, rebound(bound, **cut))
 
 
 class TokenHook:
@@ -125,8 +123,8 @@ class TokenHook:
     def __init__(self, dim: int):
         self.dim = dim
 
-    def __call__(self, module: nn.Module, *args, **kwargs):
-        out = stock_forward(module, *args, **kwargs)
+    def __call__(self, module: nn.Module, call_next, *args, **kwargs):
+        out = call_next(*args, **kwargs)
         call = current_call()
         if call is None:
             return out
@@ -139,7 +137,7 @@ class GatherHook:
     """On the model's token-wise output module (our `final`, diffusers' `proj_out`): run it on this
     rank's shard, then gather its output (`call.gather`), a few values per token instead of the width."""
 
-    def __call__(self, module: nn.Module, *args, **kwargs):
-        out = stock_forward(module, *args, **kwargs)
+    def __call__(self, module: nn.Module, call_next, *args, **kwargs):
+        out = call_next(*args, **kwargs)
         call = current_call()
         return out if call is None else call.gather(out)

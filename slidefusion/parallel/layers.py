@@ -55,8 +55,9 @@ class LayerCall:
         with self.tracer.span("gather tokens"):
             return self.tokens.gather(self.comm, y)
 
-    def run_block(self, i: int, bound) -> Tensor:
-        """Block i's hook body: its tokens in its layout slice by slice, then on to the next layout."""
+    def run_block(self, i: int, bound, call_next) -> Tensor:
+        """Block i's hook body: its tokens in its layout slice by slice (each through `call_next`, the
+        block's forward below the hook), then on to the next layout."""
         kind, name = self.kinds[i], hooks.first_argument(bound)
         axis = KIND_LAYOUT[kind]
         x = bound.arguments[name]
@@ -67,7 +68,7 @@ class LayerCall:
         for c, (start, count) in enumerate(ranges):
             piece = incoming.receive(c)  # waits on exactly the chunks this slice needs
             with self.tracer.span(f"{kind}[{i}] slice {c}"):
-                out = self._compute(bound, name, kind, axis, piece, start, count)
+                out = self._compute(bound, call_next, name, kind, axis, piece, start, count)
             outgoing.send(c, out)  # this slice's switch starts while the next slice computes
         if keep:
             placeholder = x.new_empty(0, x.shape[-1])  # the forward passes it, unread, to block i + 1
@@ -116,14 +117,14 @@ class LayerCall:
         return Switch(self.comm, (*self.full, width), axis, target, self.slices(axis), consumer, self.overlap,
                       f"{name} out")
 
-    def _compute(self, bound, name, kind, axis, piece, start, count) -> Tensor:
+    def _compute(self, bound, call_next, name, kind, axis, piece, start, count) -> Tensor:
         if piece.numel() == 0:  # a rank holding no frames (T < P) or no positions computes nothing
             return piece
         changes = {name: self.tokens.block_input(piece, kind, whole_frames=axis == FRAMES)}
         for arg in self.rows.get(kind, ()):
             if isinstance(bound.arguments.get(arg), Tensor):
                 changes[arg] = self.tokens.cut_rows(bound.arguments[arg], start, count)
-        out = hooks.call_bound(hooks.rebound(bound, **changes))
+        out = hooks.call_bound(call_next, hooks.rebound(bound, **changes))
         return self.tokens.canonical(out, kind)
 
 
@@ -133,8 +134,8 @@ class LayerHook:
     def __init__(self, index: int):
         self.index = index
 
-    def __call__(self, module, *args, **kwargs):
+    def __call__(self, module, call_next, *args, **kwargs):
         call = hooks.current_call()
         if not isinstance(call, LayerCall):
-            return hooks.stock_forward(module, *args, **kwargs)
-        return call.run_block(self.index, hooks.bind(module, args, kwargs))
+            return call_next(*args, **kwargs)
+        return call.run_block(self.index, hooks.bind(module, args, kwargs), call_next)

@@ -7,9 +7,9 @@ the self-attention sites. The model facts come from `records.record_for` (the mo
 `records.model_access` (what the adapter contract does not say), never from a branch on a class here.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from slidefusion.errors import UserError, check
+from slidefusion.core.errors import UserError, check, choose
 from slidefusion.parallel.comm import LinkDelay
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.records import AttentionSite, ModelAccess, access_for, model_access, record_for
@@ -23,8 +23,10 @@ KIND_LAYOUT: dict[str, int | None] = {"spatial": FRAMES, "temporal": POSITIONS, 
 @dataclass(frozen=True)
 class Schedule:
     """slice_frames / slice_positions: layers of that layout run in N slices (--slices N);
-    overlap: switches are asynchronous (waited per chunk) instead of blocking; heads: Ulysses;
-    slice_exchange: each Ulysses all-to-all is cut into N token chunks (full-3D attention)."""
+    overlap: switches are asynchronous (waited per chunk) instead of blocking; heads: tokens stay
+    sharded and each attention site is hooked (Ulysses and the ring schedules); slice_exchange: each
+    exchange is cut into N token chunks (full-3D attention); ring: key/value blocks pass around a
+    ring of ranks (`ring.py`: ring, usp, and auto, which may choose either)."""
 
     name: str
     slice_frames: bool = False
@@ -34,6 +36,7 @@ class Schedule:
     slice_exchange: bool = False
     default_slices: int = 1
     doc: str = ""
+    ring: bool = False
 
     def slices(self, layout: int, n: int) -> int:
         sliced = self.slice_frames if layout == FRAMES else self.slice_positions
@@ -55,7 +58,19 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("scalefusion-inter", slice_frames=True, slice_positions=True, overlap=True, default_slices=4,
              doc="also temporal layers run in N position slices, so each switch starts per slice as soon as "
                  "the producing layer finished it, under the rest of that layer (N x N chunks per switch)"),
+    Schedule("ring", heads=True, slice_exchange=True, ring=True,
+             doc="full-3D: every rank keeps its queries; key/value blocks pass around the ring under the attention "
+                 "of the block before, merged by log-sum-exp (not limited by heads). --slices N: N chunks per block"),
+    Schedule("usp", heads=True, slice_exchange=True, ring=True,
+             doc="full-3D, Ulysses x Ring (--ulysses U --ring R, U x R ranks): a head all-to-all inside groups of "
+                 "U consecutive ranks, a ring across the R groups. --slices N: N token chunks per exchange"),
+    Schedule("auto", heads=True, slice_exchange=True, ring=True,
+             doc="full-3D: ulysses, ring or usp, their degrees and slices chosen from a cost model calibrated on "
+                 "this run (measured compute, link and per-slice cost; the shortlist is timed)"),
 )}
+
+
+DEFAULT_TIMEOUT_S = 300.0  # seconds before a collective waiting on a dead or stuck rank fails
 
 
 @dataclass(frozen=True)
@@ -66,12 +81,13 @@ class ParallelConfig:
     schedule: str = "scalefusion"
     slices: int | str | None = None
     cfg_parallel: bool = False
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     link_delay: LinkDelay | None = None
+    ulysses: int | None = None
+    ring: int | None = None
 
     def __post_init__(self):
-        check(self.schedule in SCHEDULES,
-              f"parallel schedule {self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        choose(self.schedule, SCHEDULES, "schedule")
         ok = self.slices in (None, "auto") or (isinstance(self.slices, int) and not isinstance(self.slices, bool)
                                                and 1 <= self.slices <= 64)
         check(ok, f"slices={self.slices!r} must be an int in 1..64 or 'auto'")
@@ -80,9 +96,27 @@ class ParallelConfig:
               f"slices={self.slices!r} does not apply to the {self.schedule} schedule (it has no slices); "
               f"valid: 1, or a sliced schedule ({', '.join(n for n, s in SCHEDULES.items() if s.sliced)})")
         check(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0")
+        self._check_degrees()
+
+    def _check_degrees(self) -> None:
+        """--ulysses U / --ring R: usp needs at least one (the other follows from the ranks); no other
+        schedule takes them (ring is U = 1, and auto chooses)."""
+        given = [f"--{k} {v}" for k, v in (("ulysses", self.ulysses), ("ring", self.ring)) if v is not None]
+        for key in ("ulysses", "ring"):
+            value = getattr(self, key)
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096),
+                  f"{key}={value!r} must be an int in 1..4096")
+        if self.schedule == "usp":
+            check(bool(given), "--parallel usp needs its degrees: --ulysses U and/or --ring R with U x R = ranks per "
+                               "sequence group (e.g. --ulysses 2 --ring 2 on 4 ranks)")
+        else:
+            check(not given, f"{given[0] if given else ''} applies to --parallel usp only; valid: --parallel usp "
+                             f"--ulysses U --ring R, or drop it (ring is U = 1; auto chooses)")
 
     @property
     def requested_slices(self) -> int | str:
+        if self.slices is None and self.schedule == "auto":
+            return "auto"
         return SCHEDULES[self.schedule].default_slices if self.slices is None else self.slices
 
 
@@ -92,12 +126,14 @@ class Plan:
     their kinds, and the attention sites that span ranks under Ulysses (every site but temporal
     ones, which are local when sharded by positions)."""
 
-    family: str
+    model: str  # the model's class name
     adapter: object
     access: ModelAccess
     blocks: list
     kinds: list[str]
     sites: list[AttentionSite]
+    heads: int = 0  # the fewest heads of a site that spans ranks (head schedules)
+    dense: bool = True  # every such site is plain softmax attention (key chunks merge by log-sum-exp)
 
     @property
     def full(self) -> bool:
@@ -114,24 +150,65 @@ def plan_for(model, schedule: Schedule, ranks: int | None = None) -> Plan:
     blocks, kinds = adapter.blocks(model), adapter.block_kinds(model)
     unknown = sorted(set(kinds) - set(KIND_LAYOUT))
     check(not unknown, f"blocks of kind {unknown} have no parallel layout; known: {sorted(KIND_LAYOUT)}")
-    plan = Plan(adapter.family, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
+    plan = Plan(adapter.class_name, adapter, model_access(adapter), blocks, kinds, adapter.attention_sites(model))
     if not schedule.heads and any(KIND_LAYOUT[k] is None for k in kinds):
-        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {adapter.class_name} "
-                        f"({plan.family}) attends over all tokens at once; valid for {plan.family}: ulysses")
+        raise UserError(f"parallel schedule {schedule.name!r} needs spatial/temporal blocks; {plan.model} "
+                        f"attends over all tokens at once; valid for {plan.model}: ulysses")
     if schedule.heads:
         modules = [model.get_submodule(site.path) for site in plan.head_sites]
         heads = min(access_for(m).heads(m) for m in modules)  # access_for rejects operators heads cannot split
-        if ranks is not None and ranks > heads:
+        plan = replace(plan, heads=heads, dense=all(access_for(m).dense for m in modules))
+        if schedule.ring:
+            check_ring(plan, schedule, ranks)
+        elif ranks is not None and ranks > heads:
             raise UserError(f"ulysses splits attention heads over ranks: {ranks} ranks > {heads} heads of "
-                            f"{plan.family}; valid: at most {heads} ranks per sequence group")
+                            f"{plan.model}; valid: at most {heads} ranks per sequence group, or --parallel ring / "
+                            f"usp (not limited by heads)")
     return plan
 
 
+def check_ring(plan: Plan, schedule: Schedule, ranks: int | None) -> None:
+    """The ring schedules split the keys of full-3D softmax attention."""
+    if not plan.full:
+        raise UserError(f"--parallel {schedule.name} splits full-3D attention; {plan.model} has spatial/temporal "
+                        f"blocks; valid: dsp, ulysses, scalefusion, scalefusion-inter")
+    if plan.dense:
+        return
+    if schedule.name != "auto":
+        raise UserError(f"--parallel {schedule.name} splits the keys of softmax attention; {plan.model}'s attention "
+                        f"limits each query to a window, a mask that ring cannot split; valid: ulysses")
+    if ranks is not None and ranks > plan.heads:  # auto could only choose plain Ulysses, which the heads rule out
+        raise UserError(f"--parallel auto: {plan.model}'s attention limits each query to a window (ring cannot split "
+                        f"it) and {ranks} ranks > {plan.heads} heads (Ulysses cannot); valid: at most {plan.heads} ranks")
+
+
+def ring_degrees(config: ParallelConfig, ranks: int, heads: int) -> tuple[int, int]:
+    """(U, R) of a ring schedule on `ranks` ranks per sequence group: ring is (1, ranks); usp takes
+    --ulysses / --ring, one of them may follow from the ranks."""
+    if config.schedule != "usp":
+        return 1, ranks
+    u, r = config.ulysses, config.ring
+    valid = ", ".join(f"--ulysses {a} --ring {ranks // a}" for a in range(1, ranks + 1) if ranks % a == 0 and a <= heads)
+    if u is None or r is None:
+        given = u or r
+        check(ranks % given == 0, f"--{'ulysses' if u else 'ring'} {given} does not divide the {ranks} ranks per "
+                                  f"sequence group; valid: {valid}")
+        u, r = (u, ranks // u) if u else (ranks // r, r)
+    check(u * r == ranks, f"--ulysses {u} x --ring {r} = {u * r} must equal the ranks per sequence group ({ranks}); "
+                          f"valid: {valid}")
+    check(u <= heads, f"--ulysses {u} splits attention heads: {u} > {heads} heads; valid: {valid}")
+    return u, r
+
+
 def check_slices(plan: Plan, schedule: Schedule, slices: int | str) -> None:
-    """Sliced Ulysses needs full-3D attention (a spatial-temporal model slices by frames instead)."""
+    """Sliced Ulysses needs full-3D attention (a spatial-temporal model slices by frames instead) whose
+    key chunks merge by log-sum-exp (dense softmax: a window operator is not)."""
     if schedule.heads and isinstance(slices, int) and slices > 1 and not plan.full:
-        raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.family} has spatial/temporal "
+        raise UserError(f"ulysses --slices {slices} slices full-3D attention; {plan.model} has spatial/temporal "
                         f"blocks; valid: ulysses --slices 1, or scalefusion / scalefusion-inter")
+    if schedule.heads and isinstance(slices, int) and slices > 1 and not plan.dense:
+        raise UserError(f"{schedule.name} --slices {slices} cuts softmax attention into key chunks; {plan.model}'s "
+                        f"attention limits each query to a window; valid: --slices 1")
 
 
 def check_fit(model, config: ParallelConfig, world: int | None) -> Plan:
@@ -143,6 +220,8 @@ def check_fit(model, config: ParallelConfig, world: int | None) -> Plan:
     schedule = SCHEDULES[config.schedule]
     plan = plan_for(model, schedule, ranks)
     check_slices(plan, schedule, config.requested_slices)
+    if schedule.ring and ranks is not None:
+        ring_degrees(config, ranks, plan.heads)
     return plan
 
 

@@ -10,7 +10,7 @@ engine: layer slices, (producer x consumer) chunks per switch, blocking or overl
 
 from dataclasses import asdict, dataclass, field, replace
 
-from slidefusion.errors import check
+from slidefusion.core.errors import check
 from slidefusion.parallel.layout import FRAMES, POSITIONS
 from slidefusion.parallel.plan import SCHEDULES, Schedule
 
@@ -32,12 +32,14 @@ class Result:
 
 
 def run(ops: list[Op], slowdown: float = 0.0) -> Result:
-    """Simulate in-order execution of `ops` on the two resources; returns the timings."""
-    queues = {r: [i for i, op in enumerate(ops) if op.resource == r] for r in ("compute", "link")}
+    """Simulate in-order execution of `ops` on their resources (compute, link, and any other link an
+    op names, e.g. a ring's NIC next to a node's NVLink); returns the timings."""
+    names = ["compute", "link"] + sorted({op.resource for op in ops} - {"compute", "link"})
+    queues = {r: [i for i, op in enumerate(ops) if op.resource == r] for r in names}
     head = {r: 0 for r in queues}
     running: dict[str, tuple[int, float]] = {}  # resource -> (op, remaining work in seconds at full speed)
     done_at: dict[int, float] = {}
-    busy = {"compute": 0.0, "link": 0.0}
+    busy = {r: 0.0 for r in names}
     now = 0.0
     while True:
         for r, queue in queues.items():
@@ -49,7 +51,8 @@ def run(ops: list[Op], slowdown: float = 0.0) -> Result:
         if not running:
             check(all(head[r] == len(q) for r, q in queues.items()), "simulator: the op graph deadlocks")
             break
-        rate = {r: (1.0 / (1.0 + slowdown) if r == "compute" and "link" in running else 1.0) for r in running}
+        moving = any(r != "compute" for r in running)
+        rate = {r: (1.0 / (1.0 + slowdown) if r == "compute" and moving else 1.0) for r in running}
         dt = min(left / rate[r] for r, (_, left) in running.items())
         now += dt
         for r in list(running):

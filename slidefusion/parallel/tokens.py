@@ -20,7 +20,7 @@ from torch import Tensor
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.exchange import gather_shards
 from slidefusion.parallel.layout import POSITIONS, Split
-from slidefusion.parallel.records import GRID
+from slidefusion.families.records import GRID
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,9 @@ Exposed communication is the time the compute thread spends blocked in a wait: a
 finished under compute costs nothing, one still in flight when its data is needed costs the rest.
 """
 
-import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 @dataclass
@@ -56,12 +54,6 @@ def chrome_trace(per_rank: list[Tracer]) -> dict:
         for tid, label in ((0, "compute"), (1, "blocked on comm"), (2, "transfers"), (3, "steps")):
             events.append({"name": "thread_name", "ph": "M", "pid": tracer.rank, "tid": tid, "args": {"name": label}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_chrome_trace(path: str | Path, per_rank: list[Tracer]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(per_rank)))
 
 
 def step_table(per_rank: list[Tracer]) -> list[dict]:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from slidefusion.parallel.chunked import attention_lse, merge
 from slidefusion.parallel.comm import Comm
 from slidefusion.parallel.exchange import start_trade
-from slidefusion.parallel.hooks import current_call, stock_forward
+from slidefusion.parallel.hooks import current_call
 from slidefusion.parallel.layout import Split
 from slidefusion.parallel.records import AttentionAccess, AttentionSite
 from slidefusion.parallel.tokens import Tokens
@@ -60,10 +60,10 @@ class UlyssesHook:
     def __init__(self, site: AttentionSite, access: AttentionAccess):
         self.site, self.access = site, access
 
-    def __call__(self, module: nn.Module, x: Tensor, *args, **kwargs):
+    def __call__(self, module: nn.Module, call_next, x: Tensor, *args, **kwargs):
         call = current_call()
         if not isinstance(call, UlyssesCall):  # outside a Ulysses call the module runs as it is
-            return stock_forward(module, x, *args, **kwargs)
+            return call_next(x, *args, **kwargs)
         n, grid = call.site_tokens(self.site.kind)
         local = x.reshape(x.shape[0], -1, x.shape[-1])  # (G, n_r, C)
         out = ulysses_attention(module, self.access, local, call, Split(n, call.comm.size), grid,

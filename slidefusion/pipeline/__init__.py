@@ -3,11 +3,13 @@
 guidance_scale=..., generator=..., output_type=...).frames`) next to `latents` / `decode`.
 
     pipe = VideoPipeline.from_pretrained(path)     # a diffusers folder, a checkpoint, an export, a run folder
+    latents = pipe.latents(prompt, parallel=ParallelConfig("ulysses", 2))   # inside a process group: across its ranks
 """
 
 from slidefusion.pipeline.call import OUTPUT_TYPES, VideoPipelineOutput, save_latents
 from slidefusion.pipeline.folder import FolderPipeline, is_diffusers_folder
 from slidefusion.pipeline.ours import DEFAULT_PROMPT, VideoPipeline, bundled_checkpoint
+from slidefusion.pipeline.spawn import generate, generate_pretrained
 
 __all__ = ["DEFAULT_PROMPT", "OUTPUT_TYPES", "FolderPipeline", "VideoPipeline", "VideoPipelineOutput",
-           "bundled_checkpoint", "is_diffusers_folder", "save_latents"]
+           "bundled_checkpoint", "generate", "generate_pretrained", "is_diffusers_folder", "save_latents"]

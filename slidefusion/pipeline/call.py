@@ -6,10 +6,11 @@
 
 `prompt` may be a list; `generator` one generator (one draw for the whole batch, as diffusers'
 `randn_tensor`) or one per prompt; `seed=S` is `generator=torch.Generator().manual_seed(S)`;
+`parallel=ParallelConfig(...)` runs the call across the ranks of a process group (`pipeline.parallel`);
 output_type "np" (B, F, H, W, 3) numpy, "pt" (B, F, 3, H, W) tensor, both in [0, 1], or "latent".
 Our older names (`frames`, `steps`, `guidance`) are accepted too. A subclass provides
-`sample_latents(prompts, negatives, noise_fn, frames, height, width, steps, guidance, progress)`,
-`decode_batch(latents)`, `default_sizes()` and `to(device)`; `decode` and `seeded_noise` come with it.
+`sample_latents(prompts, negatives, noise_fn, frames, height, width, steps, guidance, progress, parallel)`,
+`decode_batch(latents, parallel)`, `default_sizes()` and `to(device)`; `decode` and `seeded_noise` come with it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slidefusion import validate
-from slidefusion.errors import UserError, check
+from slidefusion.core import validate
+from slidefusion.core.errors import NonFiniteError, UserError, check
+from slidefusion.io.files import atomic_file
 
 OUTPUT_TYPES = ("np", "pt", "latent")
 NoiseFn = Callable[[tuple[int, ...]], Tensor]  # latent shape (B, C, T, H, W) -> initial noise
@@ -39,12 +41,30 @@ def save_latents(path: str | Path, latents: Tensor) -> Path:
     """Write final latents as safetensors under the key `latents`, atomically (temp + rename)."""
     from safetensors.torch import save_file
 
+    from slidefusion.io.diskfull import writing
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
-    tmp.replace(path)
+    with writing(f"the latents {path.name}", path.absolute().parent, latents.numel() * latents.element_size(),
+                 "nothing was changed (the video was not written either)"), atomic_file(path) as tmp:
+        save_file({"latents": latents.detach().cpu().contiguous()}, tmp)
     return path
+
+
+def check_finite(latents: Tensor, guidance: float, steps: int) -> None:
+    """A NaN video is never handed on as if it were one."""
+    if not torch.isfinite(latents).all():
+        raise NonFiniteError(f"sampling produced NaN or infinite latents (guidance={guidance:g}, steps={steps}); "
+                             "nothing was written; check the checkpoint's weights or lower the guidance")
+
+
+# How a path that is not one of our own checkpoints is opened: `FolderPipeline` registers its
+# openers here when `slidefusion.pipeline` is imported, so `VideoPipeline.from_pretrained` can hand
+# a diffusers folder (or a fine-tune of one) to it without the two modules importing each other.
+OPENERS: dict[str, Callable] = {}  # "folder": (path, device) -> pipeline; "fine-tune": (ckpt, config, device)
+
+
+def opener(kind: str) -> Callable:
+    return OPENERS[kind]
 
 
 def noise_from(generator, seed: int | None, batch: int, draw: Callable) -> NoiseFn:
@@ -87,9 +107,10 @@ class DiffusersCall:
                  width: int | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                  generator=None, output_type: str = "np", return_dict: bool = True, seed: int | None = None,
                  frames: int | None = None, steps: int | None = None, guidance: float | None = None,
-                 progress: bool = False):
+                 progress: bool = False, parallel=None, image=None):
         """Sample videos; see the module docstring. Returns a `VideoPipelineOutput` (a tuple
-        `(frames,)` with return_dict=False, as diffusers)."""
+        `(frames,)` with return_dict=False, as diffusers). `parallel`: a `ParallelConfig` to run across
+        the ranks of the initialised process group (`slidefusion.pipeline.parallel`)."""
         check(output_type in OUTPUT_TYPES, f"output_type={output_type!r} is unknown; valid: {', '.join(OUTPUT_TYPES)}")
         prompts, negatives = _prompts(prompt, negative_prompt)
         sizes = {**self.default_sizes(), **{k: v for k, v in dict(frames=num_frames or frames, height=height,
@@ -101,9 +122,10 @@ class DiffusersCall:
         validate.finite(scale, "guidance_scale", 0)
         check(isinstance(steps, int) and steps >= 1, f"num_inference_steps={steps!r} must be an int >= 1")
         noise = noise_from(generator, seed, len(prompts), self.draw_noise)
+        extra = {} if image is None else {"image": image}  # the first frame of an image-to-video folder
         latents = self.sample_latents(prompts, negatives, noise, steps=steps, guidance=float(scale), progress=progress,
-                                      **sizes)
-        result = latents if output_type == "latent" else _frames(self.decode_batch(latents), output_type)
+                                      parallel=parallel, **sizes, **extra)
+        result = latents if output_type == "latent" else _frames(self.decode_batch(latents, parallel), output_type)
         return VideoPipelineOutput(result) if return_dict else (result,)
 
     def draw_noise(self, shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor:
@@ -118,9 +140,10 @@ class DiffusersCall:
         return noise_from(generators, None, len(seeds), self.draw_noise)
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (1, C, T', H', W') -> the video (3, F, H, W) in [-1, 1], on the CPU."""
-        return self.decode_batch(latents)[0]
+    def decode(self, latents: Tensor, parallel=None) -> Tensor:
+        """Latents (1, C, T', H', W') -> the video (3, F, H, W) in [-1, 1], on the CPU (`parallel`: split
+        over the ranks where the autoencoder allows it)."""
+        return self.decode_batch(latents, parallel)[0]
 
 
 def refuse_existing(path: str | Path, force: bool) -> Path:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,13 +16,15 @@ from torch import Tensor
 
 from slidefusion import memory, validate
 from slidefusion.diffusion import sample
-from slidefusion.errors import NonFiniteError, UserError
+from slidefusion.errors import UserError
+from slidefusion.io.checkpoint import first_nonfinite, load_checkpoint, write_checkpoint
+from slidefusion.io.diffusers import is_pipeline_folder
 from slidefusion.models import VideoDiT, build_model, preset
-from slidefusion.pipeline.call import DiffusersCall, NoiseFn, refuse_existing
+from slidefusion.pipeline.call import DiffusersCall, NoiseFn, check_finite, opener, refuse_existing
+from slidefusion.pipeline.parallel import maybe_parallel
+from slidefusion.run_config import SamplingConfig
 from slidefusion.text import TextEncoder, build_text_encoder
-from slidefusion.training.checkpoint import atomic_folder, contiguous_state, first_nonfinite, load_checkpoint
-from slidefusion.training.config import TrainConfig, build
-from slidefusion.vae import Autoencoder, build_autoencoder
+from slidefusion.vae import Autoencoder, build_autoencoder, check_decoded
 
 DEFAULT_PROMPT = "a red circle moving right quickly on a black background"
 LEGACY_OPTIONS = {"frames", "height", "width", "steps", "guidance", "seed", "negative_prompt", "progress"}
@@ -51,29 +52,20 @@ def bundled_checkpoint() -> Path:
     return Path(str(resources.files("slidefusion") / "assets" / "shapes-small"))
 
 
-def checkpoint_config(ckpt) -> TrainConfig:
-    try:
-        return build(TrainConfig, ckpt.config)
-    except UserError as error:
-        raise UserError(f"checkpoint {ckpt.path}: config.json: {error}") from None
-
-
 @dataclass
 class VideoPipeline(DiffusersCall):
     model: VideoDiT
     text_encoder: TextEncoder
     autoencoder: Autoencoder
-    config: TrainConfig
+    config: SamplingConfig  # (a TrainConfig is one too)
     device: torch.device
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu"):
         """A diffusers pipeline folder (a `FolderPipeline`), or one of ours: a checkpoint, an export
         or a run folder (its latest); None is the bundled model."""
-        from slidefusion.pipeline.folder import FolderPipeline, is_diffusers_folder
-
-        if path is not None and is_diffusers_folder(path):
-            return FolderPipeline.from_pretrained(path, device=device)
+        if path is not None and is_pipeline_folder(path):
+            return opener("folder")(path, device=device)
         return cls.from_checkpoint(path, device=device)
 
     @classmethod
@@ -81,11 +73,9 @@ class VideoPipeline(DiffusersCall):
         """Load a checkpoint folder (a run folder means its latest); None means the bundled model. A
         checkpoint of a diffusers fine-tune gives a `FolderPipeline` with the fine-tuned weights."""
         ckpt = load_checkpoint(path or bundled_checkpoint())
-        config = checkpoint_config(ckpt)
+        config = SamplingConfig.of_checkpoint(ckpt)
         if config.pretrained:
-            from slidefusion.pipeline.folder import FolderPipeline
-
-            return FolderPipeline.from_checkpoint(ckpt, config, device=device)
+            return opener("fine-tune")(ckpt, config, device=device)
         device = validate.device(device, "device")
         memory.check_fits({"weights": memory.parameter_count(config.model) * memory.FP32}, device,
                           f"the model of {ckpt.path}", "use a machine with more memory")
@@ -97,7 +87,7 @@ class VideoPipeline(DiffusersCall):
     def from_preset(cls, name: str, seed: int = 0, device: str = "cpu") -> VideoPipeline:
         """An untrained model with every weight random (zero-initialised layers included), so its
         output depends on every layer: for tests and benchmarks that need no checkpoint."""
-        config = TrainConfig(model=preset(name))
+        config = SamplingConfig(model=preset(name))
         device = validate.device(device, "device")
         memory.check_fits({"weights": memory.parameter_count(config.model) * memory.FP32}, device,
                           f"model preset {name}", "choose a smaller --model")
@@ -109,19 +99,13 @@ class VideoPipeline(DiffusersCall):
         return cls.assemble(model, config, device)
 
     @classmethod
-    def assemble(cls, model: VideoDiT, config: TrainConfig, device: torch.device) -> VideoPipeline:
+    def assemble(cls, model: VideoDiT, config: SamplingConfig, device: torch.device) -> VideoPipeline:
         encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         return cls(model.eval(), encoder, build_autoencoder(config.autoencoder).to(device), config, device)
 
     def save_pretrained(self, path: str | Path, force: bool = False) -> Path:
         """Write config.json + model.safetensors (what `from_pretrained` and `generate --checkpoint` read)."""
-        path = refuse_existing(path, force)
-        with atomic_folder(path) as tmp:
-            (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-            from safetensors.torch import save_file
-
-            save_file(contiguous_state(self.model), tmp / "model.safetensors")
-        return path
+        return write_checkpoint(refuse_existing(path, force), self.config.to_dict(), self.model)
 
     def to(self, device) -> VideoPipeline:
         """Move the model and the autoencoder (the text encoder is shared and stays); returns self."""
@@ -149,22 +133,26 @@ class VideoPipeline(DiffusersCall):
         return dict(frames=data.frames, height=data.height, width=data.width, steps=30, guidance=4.0)
 
     @torch.no_grad()
-    def decode_batch(self, latents: Tensor) -> Tensor:
-        """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU."""
-        return self.autoencoder.decode(latents).clamp(-1, 1).cpu()
+    def decode_batch(self, latents: Tensor, parallel=None) -> Tensor:
+        """Latents (B, C, T', H', W') -> videos (B, 3, T, H, W) in [-1, 1], on the CPU. Every rank
+        decodes alike under `parallel` (our autoencoders are cheap next to sampling)."""
+        return check_decoded(self.autoencoder.decode(latents)).clamp(-1, 1).cpu()
 
     @torch.no_grad()
     def latents(self, prompt: str, *, frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 30, guidance: float = 4.0, seed: int = 0, negative_prompt: str = "",
-                progress: bool = True) -> Tensor:
-        """Final latents (1, C, T', H', W'); sizes in pixels default to those the model was trained on."""
+                progress: bool = True, parallel=None, tracer=None) -> Tensor:
+        """Final latents (1, C, T', H', W'); sizes in pixels default to those the model was trained on.
+        `parallel`: a `ParallelConfig` (every rank of the process group calls alike and gets the same
+        latents); `tracer` records its compute and transfers."""
         return self.latents_batch([prompt], [seed], frames=frames, height=height, width=width, steps=steps,
-                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress)
+                                  guidance=guidance, negative_prompt=negative_prompt, progress=progress,
+                                  parallel=parallel, tracer=tracer)
 
     @torch.no_grad()
     def latents_batch(self, prompts: list[str], seeds: list[int], *, frames: int | None = None,
                       height: int | None = None, width: int | None = None, steps: int = 30, guidance: float = 4.0,
-                      negative_prompt: str = "", progress: bool = False) -> Tensor:
+                      negative_prompt: str = "", progress: bool = False, parallel=None, tracer=None) -> Tensor:
         """Latents (B, C, T', H', W') of several prompts sampled together. Video i starts from the
         noise of seed `seeds[i]` alone, as `latents(prompts[i], seed=seeds[i])` does, so batching
         changes only rounding."""
@@ -172,12 +160,14 @@ class VideoPipeline(DiffusersCall):
         data = self.config.data
         return self.sample_latents(list(prompts), [negative_prompt] * len(prompts), noise, frames=frames or data.frames,
                                    height=height or data.height, width=width or data.width, steps=steps,
-                                   guidance=guidance, progress=progress)
+                                   guidance=guidance, progress=progress, parallel=parallel, tracer=tracer)
 
     @torch.no_grad()
     def sample_latents(self, prompts: list[str], negatives: list[str], noise: NoiseFn, *, frames: int, height: int,
-                       width: int, steps: int, guidance: float, progress: bool = False) -> Tensor:
-        """Latents (B, C, T', H', W') from `noise(shape)`; the rectified-flow Euler sampler with CFG."""
+                       width: int, steps: int, guidance: float, progress: bool = False, parallel=None,
+                       tracer=None) -> Tensor:
+        """Latents (B, C, T', H', W') from `noise(shape)`; the rectified-flow Euler sampler with CFG,
+        across the ranks under `parallel`."""
         if any(not p.strip() for p in prompts):
             raise UserError("prompt must be a non-empty text")
         validate.finite(guidance, "guidance", 0)
@@ -191,14 +181,9 @@ class VideoPipeline(DiffusersCall):
         initial = noise((len(prompts), *latent))
         cond = self.text_encoder.encode(list(prompts))
         uncond = self.text_encoder.encode(list(negatives))
-        latents = sample(self.model, tuple(initial.shape), cond, uncond, steps=steps, guidance=guidance,
-                         device=self.device, progress=progress, noise=initial)
+        with maybe_parallel([self.model], parallel, tuple(initial.shape), guidance, tracer):
+            latents = sample(self.model, tuple(initial.shape), cond, uncond, steps=steps, guidance=guidance,
+                             device=self.device, progress=progress, noise=initial)
         check_finite(latents, guidance, steps)
         return latents
 
-
-def check_finite(latents: Tensor, guidance: float, steps: int) -> None:
-    """A NaN video is never handed on as if it were one."""
-    if not torch.isfinite(latents).all():
-        raise NonFiniteError(f"sampling produced NaN or infinite latents (guidance={guidance:g}, steps={steps}); "
-                             "nothing was written; check the checkpoint's weights or lower the guidance")

@@ -27,12 +27,13 @@ from slidefusion.pretrained.components import load_component, load_scheduler, lo
 from slidefusion.pretrained.folder import Expert, PretrainedFolder, open_folder, weight_entries  # noqa: E402
 from slidefusion.pretrained.parts import PretrainedParts, folder_adapter, require_pipeline  # noqa: E402
 from slidefusion.pretrained.prompts import encode_prompts  # noqa: E402
-from slidefusion.pretrained.safetensors_io import TensorEntry, read_header, stream_tensors  # noqa: E402
+from slidefusion.io.safetensors_stream import TensorEntry, read_header, stream_tensors  # noqa: E402
 from slidefusion.pretrained.sampling import (  # noqa: E402
     Request,
     check_generation,
     decode,
     denoise,
+    denoise_loop,
     initial_noise,
     latent_shape,
     parts_latent_shape,
@@ -41,7 +42,7 @@ from slidefusion.pretrained.sampling import (  # noqa: E402
 )
 
 __all__ = ["Expert", "PretrainedFolder", "PretrainedParts", "Request", "TensorEntry", "assign_weights", "build_on_meta",
-           "check_generation", "decode", "denoise", "encode_prompts", "folder_adapter", "initial_noise", "iter_weights", "latent_shape",
+           "check_generation", "decode", "denoise", "denoise_loop", "encode_prompts", "folder_adapter", "initial_noise", "iter_weights", "latent_shape",
            "load_component", "load_scheduler", "load_text_encoders", "load_transformer", "load_vae", "open_folder",
            "parts_latent_shape", "read_header", "require_pipeline", "sample_latents", "set_schedule", "stream_tensors",
            "transformer_class", "weight_entries"]

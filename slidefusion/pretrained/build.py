@@ -12,6 +12,7 @@ gives the same tensors as `ModelClass.from_pretrained(dir, torch_dtype=dtype)`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -20,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from slidefusion.errors import UserError, check
-from slidefusion.pretrained.folder import PretrainedFolder, check_supported, open_folder
-from slidefusion.pretrained.safetensors_io import stream_tensors
+from slidefusion.core.errors import UserError, check
+from slidefusion.pretrained.folder import PretrainedFolder, open_folder
+from slidefusion.io.safetensors_stream import stream_tensors
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,45 @@ def _folder(folder: PretrainedFolder | str | Path) -> PretrainedFolder:
 
 
 def transformer_class(folder: PretrainedFolder | str | Path, name: str = "transformer") -> type[nn.Module]:
-    """The diffusers class config.json names (a supported one, or a UserError)."""
+    """The diffusers class config.json names (`open_folder` checked that it is a supported one)."""
     import diffusers
 
-    folder = _folder(folder)
-    class_name = folder.transformer_config(name).get("_class_name")
-    check_supported(class_name, folder.root)
-    return getattr(diffusers, class_name)
+    return getattr(diffusers, _folder(folder).transformer_config(name)["_class_name"])
 
 
-def build_on_meta(folder: PretrainedFolder | str | Path, name: str = "transformer") -> nn.Module:
+def build_on_meta(folder: PretrainedFolder | str | Path, name: str = "transformer",
+                  check_weights: bool = True) -> nn.Module:
     """The transformer built from config.json with every parameter on the meta device (no memory);
-    buffers computed at construction (RoPE tables, position tables) are real, as in diffusers."""
+    buffers computed at construction (RoPE tables, position tables) are real, as in diffusers. A
+    transformer saved with slide attention is swapped as it was saved (its offset networks on meta
+    too; `slidefusion.swap.persist`). `check_weights`: the weight files' headers against the config
+    first (False: the config alone, for weights that come from elsewhere, a single file)."""
     from accelerate import init_empty_weights
+
+    from slidefusion.pretrained.config_check import check_size, check_transformer_config, check_weights_fit
+    from slidefusion.swap import use_slide_attention
+    from slidefusion.swap.persist import saved_options, without_options
 
     folder = _folder(folder)
     cls = transformer_class(folder, name)
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config(folder.transformer_config(name))
+    saved = folder.transformer_config(name)
+    config = without_options(saved)  # the stock class's config; the swap goes on after building
+    where = f"pretrained={folder.root}: {(folder.transformer_dir(name) / 'config.json').relative_to(folder.root)}"
+    check_transformer_config(cls, config, where)
+    entries = folder.weight_entries(name) if check_weights else None
+    if entries is not None:
+        check_size(cls, config, entries, where)  # before building: a million layers would take an hour
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = cls.from_config(config)
+    except (TypeError, ValueError, ArithmeticError, RuntimeError, AttributeError, KeyError) as error:
+        raise UserError(f"{where}: diffusers cannot build a {cls.__name__} from it ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    slide = saved_options(saved)
+    if slide is not None:
+        use_slide_attention(model, **dataclasses.asdict(slide))
+    if entries is not None:
+        check_weights_fit(model, entries, where)
     return model.eval()
 
 

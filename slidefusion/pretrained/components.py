@@ -29,11 +29,15 @@ def load_component(folder: PretrainedFolder | str | Path, name: str, **kwargs):
     check(cls is not None, f"pretrained={folder.root}: component {name} is a {library}.{class_name}, "
                            f"which this {library} version does not have")
     _quiet_loaders()
+    if name == "scheduler":
+        folder.scheduler_config()  # NaN shifts and the like, in one line, before the class reads them
     try:
         return cls.from_pretrained(str(path), local_files_only=True, **kwargs)
-    except (OSError, ValueError) as err:  # "not on disk" comes as either
+    except Exception as err:  # noqa: BLE001 - a damaged file (a cut shard, a garbage tokenizer.json) can make
+        # a loader raise nearly anything: SafetensorError, KeyError, ...; "not on disk" comes as OSError or ValueError
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"pretrained={folder.root}: component {name}/ does not load: {reason}") from None
+        raise UserError(f"pretrained={folder.root}: component {name}/ does not load ({type(err).__name__}: {reason}); "
+                        "the files are damaged or incomplete (an interrupted download?): fetch them again") from None
 
 
 def _quiet_loaders() -> None:

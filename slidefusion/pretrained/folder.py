@@ -1,35 +1,38 @@
 """What a local diffusers folder holds, checked before anything heavy is loaded.
 
-Two layouts are accepted: a pipeline folder (`model_index.json` naming its components, one
-subfolder each: transformer/ vae/ text_encoder/ tokenizer/ scheduler/, and transformer_2/ for
-Wan 2.2 A14B) and a bare transformer folder (`config.json` with `_class_name` plus safetensors
-weights, sharded or not). Every mistake is a one-line UserError naming what is wrong.
+Two layouts are accepted (`slidefusion.io.diffusers` tells them apart): a pipeline folder
+(`model_index.json` naming its components, one subfolder each: transformer/ vae/ text_encoder/
+tokenizer/ scheduler/, and transformer_2/ for Wan 2.2 A14B) and a bare transformer folder
+(`config.json` with `_class_name` plus safetensors weights, sharded or not). Every mistake is a
+one-line UserError naming what is wrong.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from slidefusion.adapters import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class
-from slidefusion.errors import UserError, check
-from slidefusion.pretrained.safetensors_io import TensorEntry, read_header
+from slidefusion.core.errors import UserError, check
+from slidefusion.families import DIFFUSERS_CLASSES, ModelAdapter, adapter_for_class, original_layout
+from slidefusion.io.diffusers import (  # noqa: F401  (WEIGHTS, WEIGHTS_INDEX, read_json: re-exported)
+    CONFIG,
+    LORA,
+    MODEL,
+    MODEL_INDEX,
+    PIPELINE,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    folder_kind,
+    read_json,
+    weight_entries,
+)
+from slidefusion.io.safetensors_stream import TensorEntry
+from slidefusion.io.single_file import single_file_entries
+from slidefusion.pretrained.index_check import check_index, check_option, check_scheduler
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX = WEIGHTS + ".index.json"
 _VALID = ("valid: a diffusers pipeline folder (model_index.json + transformer/ vae/ text_encoder/ tokenizer/ "
           "scheduler/) or a transformer folder (config.json + diffusion_pytorch_model*.safetensors)")
-
-
-def read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"{what} {path} is unreadable: {type(err).__name__}") from None
-    check(isinstance(data, dict), f"{what} {path} is not a JSON object")
-    return data
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,15 @@ class Expert:
 
 @dataclass(frozen=True)
 class PretrainedFolder:
-    """A checked local diffusers folder; `index` is model_index.json (None for a bare transformer)."""
+    """A checked local diffusers folder; `index` is model_index.json (None for a bare transformer).
+    `transformer_files`: transformer name -> a single-file transformer whose weights replace that
+    transformer's own (its config.json still defines the model; see `slidefusion.io.single_file`,
+    set by `slidefusion.pretrained.source.open_folder_with`)."""
 
     root: Path
     index: Mapping | None
+    transformer_files: Mapping[str, Path] = field(default_factory=dict)
+    configs: dict = field(default_factory=dict, compare=False, repr=False)  # transformer config.json by name, read once
 
     @property
     def is_pipeline(self) -> bool:
@@ -95,14 +103,20 @@ class PretrainedFolder:
         return self.root if self.index is None else self.component_dir(name)
 
     def transformer_config(self, name: str = "transformer") -> dict:
-        path = self.transformer_dir(name) / "config.json"
-        check(path.is_file(), f"pretrained={self.root}: {path.parent.name or path.parent}/config.json is missing")
-        return read_json(path, "transformer config")
+        """A transformer's config.json (read once; a copy, so callers may change it)."""
+        if name not in self.configs:
+            path = self.transformer_dir(name) / "config.json"
+            check(path.is_file(), f"pretrained={self.root}: {path.parent.name or path.parent}/config.json is missing")
+            self.configs[name] = read_json(path, "transformer config")
+        return dict(self.configs[name])
 
     def adapter(self, name: str = "transformer") -> ModelAdapter:
         """The transformer's adapter, with the options the pipeline config sets (expand_timesteps, ...)."""
         adapter = adapter_for_class(str(self.transformer_config(name).get("_class_name")))
-        options = {k: self.index[k] for k in adapter.options if self.index is not None and k in self.index}
+        options = {k: self.index[k] for k in adapter.options if self.index is not None and k in self.index
+                   and self.index[k] is not None}
+        for key in options:
+            check_option(self.index, key, adapter.options[key], self.root)
         return adapter.with_options(**options) if options else adapter
 
     def experts(self) -> list[Expert]:
@@ -115,25 +129,49 @@ class PretrainedFolder:
         train = float(self.scheduler_config().get("num_train_timesteps", 1000))
         return [Expert(names[0], boundary * train, float("inf")), Expert(names[1], float("-inf"), boundary * train)]
 
+    def component_config(self, name: str) -> dict:
+        """A model component's config.json (the VAE's: its compression and latent normalisation)."""
+        return read_json(self.component_dir(name) / CONFIG, f"{name} config")
+
     def scheduler_config(self) -> dict:
-        return read_json(self.component_dir("scheduler") / "scheduler_config.json", "scheduler config")
+        path = self.component_dir("scheduler") / "scheduler_config.json"
+        config = read_json(path, "scheduler config")
+        check_scheduler(config, path)
+        return config
 
     def weight_entries(self, name: str = "transformer") -> list[TensorEntry]:
-        """Every tensor of a transformer's weights, shard by shard, after checking the shard index."""
-        return weight_entries(self.transformer_dir(name))
+        """Every tensor of a transformer's weights, shard by shard, after checking the shard index
+        (or those of its single file, under diffusers' names)."""
+        file = self.transformer_files.get(name if self.is_pipeline else "")  # a bare folder's one transformer is ""
+        if file is None:
+            return weight_entries(self.transformer_dir(name))
+        adapter = self.adapter(name)
+        layout = original_layout(adapter, "model.transformer: a single-file transformer")
+        return single_file_entries(file, layout, adapter.class_name)
 
 
-def open_folder(path: str | Path) -> PretrainedFolder:
-    """Check that `path` is a local diffusers folder of a supported model; see the module docstring."""
+def open_folder(path: str | Path | PretrainedFolder) -> PretrainedFolder:
+    """Check that `path` is a local diffusers folder of a supported model; see the module docstring.
+    An opened folder is returned as it is (with any single-file transformer it was given:
+    `slidefusion.pretrained.source.open_folder_with`)."""
+    return path if isinstance(path, PretrainedFolder) else _open(path)
+
+
+def _open(path: str | Path) -> PretrainedFolder:
     root = Path(path).expanduser()
     check(root.is_dir(), f"pretrained={path} is not a directory; {_VALID}")
-    if (root / "model_index.json").is_file():
-        folder = PretrainedFolder(root, read_json(root / "model_index.json", "pipeline index"))
-    elif (root / "config.json").is_file():
-        config = read_json(root / "config.json", "transformer config")
+    kind = folder_kind(root)
+    if kind == PIPELINE:
+        folder = PretrainedFolder(root, read_json(root / MODEL_INDEX, "pipeline index"))
+        check_index(folder.index, root)
+    elif kind == MODEL:
+        config = read_json(root / CONFIG, "transformer config")
         check("_class_name" in config, f"pretrained={path}: config.json has no _class_name, so it is not a "
                                        f"diffusers model; {_VALID}")
         folder = PretrainedFolder(root, None)
+    elif kind == LORA:
+        raise UserError(f"pretrained={path} holds LoRA weights, not a model: give the base model's folder as "
+                        f"pretrained and this one as --lora {path}")
     else:
         raise UserError(f"pretrained={path} is not a diffusers model folder (no model_index.json or config.json); {_VALID}")
     for name in folder.transformer_names:
@@ -144,38 +182,3 @@ def open_folder(path: str | Path) -> PretrainedFolder:
 def check_supported(class_name, root: Path) -> None:
     check(class_name in DIFFUSERS_CLASSES, f"pretrained={root}: transformer class {class_name!r} is not supported; "
                                            f"supported: {', '.join(DIFFUSERS_CLASSES)}")
-
-
-def weight_entries(directory: Path) -> list[TensorEntry]:
-    """The tensors of `directory`'s safetensors weights, single file or sharded, after checking that
-    every shard the index names exists and holds exactly the tensors the index maps to it."""
-    index_path, single = directory / WEIGHTS_INDEX, directory / WEIGHTS
-    if index_path.is_file():
-        return _sharded_entries(directory, read_json(index_path, "shard index"))
-    if single.is_file():
-        return read_header(single)
-    others = sorted(p.name for p in directory.glob("diffusion_pytorch_model*"))
-    hint = f"found {', '.join(others)}; valid: safetensors weights (save_pretrained(safe_serialization=True))" \
-        if others else f"expected {WEIGHTS} or {WEIGHTS_INDEX}"
-    raise UserError(f"no safetensors weights in {directory}: {hint}")
-
-
-def _sharded_entries(directory: Path, index: dict) -> list[TensorEntry]:
-    weight_map = index.get("weight_map")
-    check(isinstance(weight_map, dict) and weight_map, f"shard index {directory / WEIGHTS_INDEX} has no weight_map")
-    entries = []
-    for shard in dict.fromkeys(weight_map.values()):  # file order of first mention
-        path = directory / str(shard)
-        check(path.is_file(), f"missing weights shard {shard} in {directory} (listed in {WEIGHTS_INDEX})")
-        held = read_header(path)
-        for entry in held:
-            check(weight_map.get(entry.name) == shard,
-                  f"shard index mismatch in {directory}: {shard} holds {entry.name}, which {WEIGHTS_INDEX} "
-                  f"maps to {weight_map.get(entry.name)}")
-        names = {e.name for e in held}
-        absent = [n for n, s in weight_map.items() if s == shard and n not in names]
-        if absent:
-            raise UserError(f"shard index mismatch in {directory}: {WEIGHTS_INDEX} maps {absent[0]} to {shard}, "
-                            f"which does not hold it ({len(absent)} such)")
-        entries.extend(held)
-    return entries

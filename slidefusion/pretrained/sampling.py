@@ -6,23 +6,24 @@
     latents = sample_latents(parts, Request("a cat", frames=33, height=480, width=832, seed=0))
     video = decode(parts, latents)                     # (B, 3, F, H, W) in [-1, 1]
 
-What differs between families is data on the adapter: how the pipeline sets its timesteps
-(`schedule`), whether guidance is classifier-free or embedded (`guidance`), and the layout its
+What differs between families is on the family's record: how the pipeline sets its timesteps
+(`timesteps`), whether guidance is classifier-free or embedded (`guidance`), and the layout its
 initial noise is drawn in (`input_layout`: CogVideoX draws frames first), so that a seed gives the
 pipeline's own noise and the same latents as `<Pipeline>(..., generator=torch.manual_seed(seed))`.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from slidefusion.adapters import ModelAdapter, TextConditioning
-from slidefusion.errors import check
+from slidefusion.core import hooks
+from slidefusion.core.errors import check
+from slidefusion.families import ModelAdapter, TextConditioning
 from slidefusion.pretrained.prompts import encode_prompts
 
 
@@ -49,12 +50,12 @@ def latent_shape(adapter: ModelAdapter, model: nn.Module, vae_config, frames: in
                  width: int, vae_class: str | None = None) -> tuple[int, ...]:
     """(1, C, T, H, W) latents of `model` (meta is enough) for a video of `frames` x `height` x `width`
     pixels through a VAE of `vae_config` (a mapping or its attributes), or a UserError naming the rule."""
-    from slidefusion.vae.base import IMAGE_VAES, video_vae_factors
+    from slidefusion.vae.base import is_image_vae_class, video_vae_factors
 
     config = vae_config if hasattr(vae_config, "get") else vars(vae_config)
     vae_class = vae_class or config.get("_class_name")
     time, space = video_vae_factors(config)
-    time = 1 if vae_class in IMAGE_VAES else int(time or 1)
+    time = 1 if is_image_vae_class(vae_class) else int(time or 1)
     check(space is not None, f"the VAE's config ({vae_class}) does not say its spatial compression")
     check(frames >= 1 and (frames - 1) % time == 0,
           f"frames={frames} is not allowed by this VAE; valid: 1 + {time}k (e.g. {1 + time}, {1 + 2 * time})")
@@ -98,24 +99,8 @@ def initial_noise(adapter: ModelAdapter, shape: tuple[int, ...], generator: torc
 
 
 def set_schedule(adapter: ModelAdapter, scheduler, steps: int, shape: tuple[int, ...]) -> None:
-    """Set the scheduler's timesteps as the family's pipeline does (`adapter.schedule`)."""
-    if adapter.schedule == "default":
-        scheduler.set_timesteps(steps)
-    elif adapter.schedule == "linspace":  # HunyuanVideoPipeline
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
-    elif adapter.schedule == "shifted-linspace":  # LTXPipeline: mu from the latent token count
-        from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
-
-        cfg = scheduler.config
-        mu = calculate_shift(shape[2] * shape[3] * shape[4], cfg.get("base_image_seq_len", 256),
-                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    else:
-        assert adapter.schedule == "linear-quadratic", adapter.schedule
-        from diffusers.pipelines.mochi.pipeline_mochi import linear_quadratic_schedule
-
-        scheduler.set_timesteps(sigmas=np.array(linear_quadratic_schedule(steps, 0.025)))
-        scheduler.set_begin_index(0)  # as MochiPipeline: its inverted timesteps are not searched for
+    """Set the scheduler's timesteps as the family's pipeline does (`adapter.timesteps`)."""
+    adapter.timesteps(scheduler, steps, shape)
 
 
 def _join(cond: TextConditioning, uncond: TextConditioning) -> TextConditioning:
@@ -126,24 +111,58 @@ def _join(cond: TextConditioning, uncond: TextConditioning) -> TextConditioning:
         return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[1])) if x.ndim == 3 else \
             torch.nn.functional.pad(x, (0, length - x.shape[1]))
 
-    pooled = None if cond.pooled is None else torch.cat([cond.pooled, uncond.pooled])
+    both = (lambda a, b: None if a is None else torch.cat([a, b]))  # noqa: E731
     return TextConditioning(torch.cat([pad(cond.states), pad(uncond.states)]),
-                            torch.cat([pad(cond.bool_mask()), pad(uncond.bool_mask())]), pooled, cond.guidance)
+                            torch.cat([pad(cond.bool_mask()), pad(uncond.bool_mask())]),
+                            both(cond.pooled, uncond.pooled), cond.guidance, both(cond.image, uncond.image),
+                            both(cond.video, uncond.video))
 
 
 def _to(text: TextConditioning, dtype: torch.dtype, device) -> TextConditioning:
     cast = (lambda x: None if x is None else x.to(device=device, dtype=dtype))
     return TextConditioning(cast(text.states), None if text.mask is None else text.mask.to(device), cast(text.pooled),
-                            text.guidance)
+                            text.guidance, cast(text.image), cast(text.video))
 
 
 @torch.no_grad()
 def denoise(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioning | None, steps: int,
             guidance: float, progress: bool = False) -> Tensor:
-    """The folder's scheduler loop: latents (B, C, T, H, W) float32 from `noise`. With classifier-free
-    guidance the conditional and unconditional predictions are one batch of 2B (what CFG-parallel
-    splits); an embedded-guidance model (HunyuanVideo) gets the scale as an input instead. The
-    transformer runs in its own dtype, the scheduler in float32, as the pipelines do."""
+    """The family's denoising loop: latents (B, C, T, H, W) float32 from `noise` (1 = no guidance).
+
+    Where the family's record has one (`ModelAdapter.sample`), the family's own diffusers pipeline
+    runs it, with `output_type="latent"`: the pipeline calls the transformer, so hooks on it (a
+    parallel plan, the slide swap) run unchanged. `denoise_loop` runs it where the pipeline cannot
+    take the call: see `_pipeline_takes` and the families' own refusals (CFG-parallel on a pipeline
+    that predicts conditional and unconditional apart, sizes its checks refuse)."""
+    sample = parts.adapter.sample
+    if sample is not None and _pipeline_takes(cond, uncond, guidance):
+        latents = sample(parts, noise, cond, uncond, steps, guidance, progress, cfg_batch=_cfg_batch(parts))
+        if latents is not None:
+            return latents
+    return denoise_loop(parts, noise, cond, uncond, steps, guidance, progress)
+
+
+def _pipeline_takes(cond: TextConditioning, uncond: TextConditioning | None, guidance: float) -> bool:
+    """The pipelines treat a guidance scale below 1 as no guidance, where this loop blends towards
+    the unconditional prediction; and their text-to-video calls take no image (states or latents)."""
+    return not (uncond is not None and guidance < 1.0) and cond.image is None and cond.video is None
+
+
+def _cfg_batch(parts) -> bool:
+    """A hook on a transformer needs the conditional and unconditional predictions in one batch
+    (CFG-parallel splits that batch between two rank groups)."""
+    return any(getattr(hooks.get_hook(model, name), "cfg_batch", False)
+               for model, _ in parts.experts for name in hooks.hook_names(model))
+
+
+@torch.no_grad()
+def denoise_loop(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioning | None, steps: int,
+                 guidance: float, progress: bool = False) -> Tensor:
+    """The generic scheduler loop, equal to the families' pipelines: latents (B, C, T, H, W) float32
+    from `noise`. With classifier-free guidance the conditional and unconditional predictions are one
+    batch of 2B (what CFG-parallel splits); an embedded-guidance model (HunyuanVideo) gets the scale as
+    an input instead. The transformer runs in its own dtype, the scheduler in float32, as the
+    pipelines do."""
     scheduler, adapter = parts.scheduler, parts.adapter
     set_schedule(adapter, scheduler, steps, tuple(noise.shape))
     model = parts.transformer
@@ -155,6 +174,7 @@ def denoise(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioni
         text = TextConditioning(text.states, text.mask, text.pooled, guidance=guidance)
     text, old = _to(text, dtype, device), None
     timesteps = scheduler.timesteps
+    multistep = "old_pred_original_sample" in inspect.signature(scheduler.step).parameters
     for i, t in enumerate(tqdm(timesteps, desc="sampling", disable=not progress, leave=False)):
         model = parts.expert_for(t)
         batch = torch.cat([x, x]) if cfg else x
@@ -165,11 +185,13 @@ def denoise(parts, noise: Tensor, cond: TextConditioning, uncond: TextConditioni
         if cfg:
             c, u = pred.chunk(2)
             pred = u + guidance * (c - u)
-        if type(scheduler).__name__ == "CogVideoXDPMScheduler":  # its step also takes the previous x0 estimate
+        if multistep:  # a DPM step (CogVideoX's) that also takes the previous x0 estimate
             x, old = scheduler.step(pred, old, t, timesteps[i - 1] if i > 0 else None, x, return_dict=False)
         else:
             x = scheduler.step(pred, t, x, return_dict=False)[0]
-    return x
+    from slidefusion.pretrained.image import finish
+
+    return finish(adapter, x, cond.video)
 
 
 def sample_latents(parts, request: Request, generator: torch.Generator | None = None,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slidefusion.adapters import TextConditioning, adapter_for
+from slidefusion.families import TextConditioning, adapter_for
 
 TEXT_DIM = 16  # the text state width of every tiny model (ours excepted: their presets say)
 

@@ -1,58 +1,28 @@
 """Training configuration: typed dataclasses, filled from YAML and `section.key=value` overrides.
 
-Every key is checked: an unknown one, or a value of the wrong type, is a `UserError` that names
-the dotted key and what would be valid.
+Every key is checked (`slidefusion.io.config.build`): an unknown one, or a value of the wrong type,
+is a `UserError` that names the dotted key and what would be valid.
 """
 
-import dataclasses
-import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+import torch
 
-from slidefusion import validate
-from slidefusion.data.shapes import START_MODES
+from slidefusion.core import validate
+from slidefusion.core.errors import UserError, check
+from slidefusion.data.config import DataConfig  # noqa: F401  (re-exported: a config section)
 from slidefusion.diffusion.flow import FlowConfig
-from slidefusion.errors import UserError, check
-from slidefusion.models.config import ModelConfig, preset
-from slidefusion.offload.config import OffloadConfig
+from slidefusion.io.config import build, read_yaml
+from slidefusion.offload.policy import AUTO, OffloadPolicy
 from slidefusion.optim import OptimConfig  # noqa: F401  (re-exported: a config section)
-from slidefusion.training.finetune.config import LoraConfig, PretrainedModelConfig
-
-
-@dataclass
-class DataConfig:
-    """Where clips come from and their size in pixels (before the autoencoder)."""
-
-    kind: str = "shapes"  # "shapes" (procedural, captioned) or "folder" (videos + captions file)
-    frames: int = 8
-    height: int = 32
-    width: int = 32
-    num_samples: int = 100_000  # distinct procedural clips; the folder's own size for "folder"
-    seed: int = 0
-    max_objects: int = 1
-    start: str = "uniform"  # shapes: "uniform" (may bounce), "clear" (room ahead), "behind" (clear, near the back wall)
-    root: str | None = None  # the video folder, for kind="folder"
-    stride: int = 1  # frame stride when reading real videos
-    fps: int = 8  # playback rate of exported videos
-    cache_dir: str | None = None  # latent and text caches of a diffusers fine-tune (null: RUN/cache)
-
-    def __post_init__(self):
-        for name in ("frames", "height", "width", "num_samples", "max_objects", "stride", "fps"):
-            value = getattr(self, name)
-            check(value >= 1, f"data.{name}={value} must be >= 1")
-        check(self.fps <= 1000, f"data.fps={self.fps} must be <= 1000 (the playback rate of exported videos)")
-        check(self.kind in ("shapes", "folder"), f"data.kind={self.kind!r} is unknown; valid: shapes, folder")
-        check(self.start in START_MODES, f"data.start={self.start!r} is unknown; valid: {', '.join(START_MODES)}")
-        check(self.kind != "folder" or self.root, "data.root must name the video folder when data.kind=folder")
-
+from slidefusion.run_config import SamplingConfig
+from slidefusion.training.validation_config import ValidateConfig
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a plain folder name: no path, not . or ..
 RUN_SEED_MAX = 2**32 - 1  # step seeds are seed * 1_000_003 + step, which must stay below 2**64
+AUTO_DEVICE = "auto"  # run.device: the GPU when there is one, else the CPU
 
 
 @dataclass
@@ -67,11 +37,14 @@ class RunConfig:
     log_every: int = 10
     save_every: int = 500
     keep_last: int | None = 3  # older checkpoints are deleted; null keeps all
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (the GPU when there is one)
     tensorboard: bool = False
+    grad_accum: int = 1  # micro-batches per optimizer step: a batch of batch_size x grad_accum
+    epochs: int | None = None  # the run's length in epochs instead of run.steps (fine-tunes of folders)
+    wandb: str | None = None  # a Weights & Biases project to log to (WANDB_MODE=offline works)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "log_every", "save_every"):
+        for name in ("steps", "batch_size", "log_every", "save_every", "grad_accum"):
             value = getattr(self, name)
             check(value >= 1, f"run.{name}={value} must be >= 1")
         check(self.keep_last is None or self.keep_last >= 1, f"run.keep_last={self.keep_last} must be >= 1 or null")
@@ -82,173 +55,87 @@ class RunConfig:
         check(bool(str(self.device).strip()), f"run.device={self.device!r} must name a device, e.g. cpu or cuda")
         validate.integer(self.seed, "run.seed", 0, RUN_SEED_MAX)
         check(self.steps <= 2**62, f"run.steps={self.steps} must be <= 2**62")
+        check(self.epochs is None or 1 <= self.epochs <= 2**31, f"run.epochs={self.epochs} must be >= 1 or null")
+        check(self.wandb is None or (isinstance(self.wandb, str) and self.wandb.strip() != "" and "/" not in self.wandb),
+              f"run.wandb={self.wandb!r} must name a W&B project (e.g. my-finetunes) or be null")
+
+    @property
+    def auto_device(self) -> bool:
+        return str(self.device).strip().lower() == AUTO_DEVICE
+
+    def resolved_device(self) -> str:
+        """`device`, with `auto` read as cuda when CUDA has a device here, else cpu."""
+        if not self.auto_device:
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
-class TrainConfig:
-    """A training run. `model` is one of our presets (ModelConfig) or, with `model.pretrained=DIR`, the
-    transformer of a diffusers pipeline folder, whose text encoders and VAE then come from the folder
-    (`text_encoder`, `text_max_length` and `autoencoder` apply to our own models only)."""
+class ParallelTrainConfig:
+    """The `parallel:` section: how a run launched on several ranks (`torchrun --nproc-per-node N -m
+    slidefusion train CONFIG ...`) splits its work; a run on one process ignores it. The world of
+    ranks is `dp x sp`: `sp` ranks share each sample (sequence parallelism, Ulysses over heads) and
+    the `dp = world / sp` groups of them each take their own samples (data parallelism).
 
-    model: ModelConfig | PretrainedModelConfig = field(default_factory=lambda: preset("dit3d-tiny"))
-    data: DataConfig = field(default_factory=DataConfig)
+    Resident runs: plain data parallelism (gradients all-reduced), or `fsdp` (FSDP2, one
+    `fully_shard` per block; `cpu_offload`: its CPUOffloadPolicy). Offloaded runs (`--offload`):
+    the offload engine with its host state sharded over the ranks, one host copy per node
+    (`shared_host`). The spelling other trainers document, `train.parallel.KEY`, means `parallel.KEY`."""
+
+    fsdp: bool = False  # resident only: FSDP2 per block with a bf16/fp32 mixed precision policy
+    cpu_offload: bool = False  # with fsdp: FSDP2's CPUOffloadPolicy (parameters and optimizer on the host)
+    sp: int = 1  # ranks per sample (Ulysses over attention heads); must divide the world and be <= the heads
+    shared_host: bool = True  # offload: the node's ranks share one host compute copy in /dev/shm
+    timeout_s: float = 300.0  # every collective's limit: a dead or stuck rank ends the others after this
+
+    def __post_init__(self):
+        validate.integer(self.sp, "parallel.sp", 1, 1 << 16)
+        validate.finite(self.timeout_s, "parallel.timeout_s", 0, 86_400, low_open=True)
+        check(self.fsdp or not self.cpu_offload, "parallel.cpu_offload=true needs parallel.fsdp=true (it is FSDP2's "
+                                                 "CPUOffloadPolicy; the offload engine is --offload)")
+
+
+@dataclass
+class TrainConfig(SamplingConfig):
+    """A training run: what it trains (`SamplingConfig`'s sections: the model, LoRA, the video, text
+    encoder and autoencoder) and how (the objective, the optimizer, the run, the offload engine,
+    validation during training)."""
+
     diffusion: FlowConfig = field(default_factory=FlowConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    text_encoder: str = "minilm"
-    text_max_length: int = 32
-    autoencoder: str = "identity"
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)  # `enabled` (--offload) trains with the engine
+    validate: ValidateConfig = field(default_factory=ValidateConfig)  # samples and a held-out loss (folders)
+    parallel: ParallelTrainConfig = field(default_factory=ParallelTrainConfig)  # under torchrun: dp x sp ranks
 
     def __post_init__(self):
-        check(self.pretrained or not self.lora.enabled,
-              f"lora.rank={self.lora.rank} applies to diffusers folders only; add model.pretrained=DIR, "
-              "or set lora.rank=null")
-
-    @property
-    def pretrained(self) -> bool:
-        """A fine-tune of a diffusers folder (`model.pretrained=DIR`)."""
-        return isinstance(self.model, PretrainedModelConfig)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _coerce(value, annotation, key: str):
-    """`value` as the annotated type, or a UserError naming `key` and the expected type."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _coerce(value, option, key)
-            except UserError as error:
-                errors.append(error)
-        raise errors[0]
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise UserError(f"{key}={value!r} must be a list")
-        inner = typing.get_args(annotation)
-        return origin(_coerce(v, inner[0], key) for v in value)
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"{key}={value!r} must be a mapping")
-        _check_finite_inside(value, key)
-        return value
-    if annotation is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:
-            float(value)
-        except (ValueError, OverflowError):
-            pass
-        else:  # every float key, present or future, is finite (ranges are each section's own check)
-            return validate.finite(value, key)
-    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
-        return validate.integer(value, key)
-    if annotation is bool and isinstance(value, bool):
-        return value
-    if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
-    if annotation is str and isinstance(value, bool):  # YAML 1.1: run.name=off is False, run.name=yes is True
-        raise UserError(f"{key}={value!r} must be a str; YAML reads yes/no/on/off/true/false as booleans: quote the "
-                        f"value, e.g. '{key}=\"off\"' on the command line")
-    raise UserError(f"{key}={value!r} must be a {getattr(annotation, '__name__', annotation)}")
-
-
-def _check_finite_inside(value, key: str) -> None:
-    """No NaN or infinity anywhere inside a free-form mapping or list (e.g. attention_options)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{key}={value!r} must be a finite number")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    for name, inner in items:
-        _check_finite_inside(inner, f"{key}.{name}")
-
-
-def _model_from_dict(data: dict, key: str) -> ModelConfig | PretrainedModelConfig:
-    """A `model:` section: an optional `preset` name, then any ModelConfig fields on top; or
-    `pretrained: DIR` (a diffusers folder, whose config.json defines the model)."""
-    if not isinstance(data, dict):
-        raise UserError(f"{key}={data!r} must be a section (a mapping), e.g. {key}.preset=dit3d-tiny")
-    if "pretrained" in data:
-        valid = [f.name for f in dataclasses.fields(PretrainedModelConfig)]
-        other = [k for k in data if k not in valid]
-        if other:
-            raise UserError(f"{key}.{other[0]} cannot be combined with {key}.pretrained (the folder's config.json "
-                            f"defines the model); valid keys with {key}.pretrained: {', '.join(valid)}")
-        return build(PretrainedModelConfig, data, key)
-    data = dict(data)
-    name = data.pop("preset", None)
-    if name is not None and not isinstance(name, str):
-        raise UserError(f"{key}.preset={name!r} must be a preset name, e.g. dit3d-tiny")
-    base = dataclasses.asdict(preset(name)) if name is not None else {}
-    return build(ModelConfig, {**base, **data}, key)
-
-
-def build(cls, data: dict, prefix: str = ""):
-    """Instantiate dataclass `cls` from a nested dict, checking every key and value."""
-    if not isinstance(data, dict):
-        raise UserError(f"{prefix or 'config'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            where = f" under {prefix}" if prefix else ""
-            raise UserError(f"unknown config key {prefix + '.' if prefix else ''}{key}; valid keys{where}: {', '.join(names)}")
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else key
-        if cls is TrainConfig and key == "model":
-            kwargs[key] = _model_from_dict(value, dotted)
-        elif dataclasses.is_dataclass(hints[key]):
-            kwargs[key] = build(hints[key], value, dotted)
-        else:
-            kwargs[key] = _coerce(value, hints[key], dotted)
-    try:
-        return cls(**kwargs)
-    except TypeError as error:  # a required field missing
-        raise UserError(f"{prefix or 'config'}: {error}") from None
-
-
-def apply_override(data: dict, override: str) -> None:
-    """Apply one `dotted.key=value` (value parsed as YAML) to the nested dict `data`."""
-    key, sep, raw = override.partition("=")
-    key = key.strip()
-    if not sep or not key or "" in key.split("."):
-        raise UserError(f"override {override!r} must look like section.key=value (e.g. optim.lr=1e-4)")
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise UserError(f"override {key}: {part} is not a section")
-    try:
-        node[leaf] = yaml.safe_load(raw) if raw else None
-    except yaml.YAMLError as error:
-        reason = str(error).splitlines()[0]
-        raise UserError(f"override {key}={raw!r}: the value is not valid YAML ({reason})") from None
+        super().__post_init__()
+        check(self.parallel.sp == 1 or self.offload.tile in (None, AUTO),
+              f"parallel.sp={self.parallel.sp} with offload.tile={self.offload.tile}: tiles inside a sequence-parallel "
+              "block are not supported; use offload.tile=off (each rank already holds 1/sp of the tokens)")
+        check(not self.parallel.cpu_offload or str(self.run.device).startswith("cuda"),
+              f"parallel.cpu_offload=true keeps FSDP2's parameters on the host for a GPU to compute with; "
+              f"run.device={self.run.device} has none (use run.device=cuda, or parallel.cpu_offload=false)")
+        check(not (self.parallel.fsdp and self.offload.enabled),
+              "parallel.fsdp=true shards resident training; --offload (offload.enabled) shards the offload engine's "
+              "host state instead: choose one")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Read a YAML config (or the defaults when `path` is None), apply overrides, validate."""
-    data = {}
-    if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise UserError(f"config file {path} is a folder; give a YAML file, e.g. configs/tiny.yaml")
-        if not path.is_file():
-            raise UserError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise UserError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
-        except (UnicodeDecodeError, OSError) as error:
-            raise UserError(f"config file {path} cannot be read as text: {error}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"config file {path} must hold a mapping of sections (model:, data:, run:, ...), "
-                            f"not a {type(data).__name__}")
-    for override in overrides:
-        apply_override(data, override)
+    data = read_yaml(path, overrides)
+    merge_train_alias(data)
     return build(TrainConfig, data)
+
+
+def merge_train_alias(data: dict) -> None:
+    """Accept `train.parallel.KEY` (the spelling other trainers document) as `parallel.KEY`, in place."""
+    train = data.pop("train", None)
+    if train is None:
+        return
+    if not isinstance(train, dict) or set(train) != {"parallel"} or not isinstance(train["parallel"], dict):
+        raise UserError(f"config key train={train!r} is unknown; only train.parallel.KEY is accepted (the same as "
+                        "parallel.KEY, e.g. train.parallel.fsdp=true)")
+    section = data.setdefault("parallel", {})
+    check(isinstance(section, dict), f"parallel={section!r} must be a section (a mapping), e.g. parallel.sp=2")
+    section.update(train["parallel"])

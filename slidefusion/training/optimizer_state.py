@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from slidefusion.errors import UserError
-from slidefusion.offload.layout import layout_of, split_groups
-from slidefusion.offload.training import engine_blocks
+from slidefusion.offload.engine.layout import layout_of, split_groups
+from slidefusion.offload.engine.engine import engine_blocks
 
 ENGINE, TORCH = "offload engine", "torch AdamW"
 

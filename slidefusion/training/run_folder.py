@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from slidefusion.errors import UserError
-from slidefusion.training.checkpoint import TEMPORARY
+from slidefusion.io.checkpoint import TEMPORARY
+from slidefusion.io.files import write_text
 
 LOCK_NAME = ".lock"
 
@@ -105,7 +106,5 @@ def truncate_metrics(path: Path, step: int) -> int:
             kept.append(line)
     dropped = len(lines) - len(kept)
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
+        write_text(path, "".join(line + "\n" for line in kept))
     return dropped

@@ -9,6 +9,8 @@ loss as a function of the model (`loss_fn`), and says which weights a checkpoint
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -18,9 +20,12 @@ from slidefusion import memory
 from slidefusion.data import build_dataset
 from slidefusion.data.shapes import DIRECTIONS, with_other_direction
 from slidefusion.diffusion import contrastive_flow_loss, flow_loss
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError, check
+from slidefusion.diffusion.rows import local_rows
 from slidefusion.models import build_model
-from slidefusion.offload.training import offload_optimizer
+from slidefusion.offload import OffloadEngine, OffloadPolicy, Workload, engine_blocks, fitting_policy
+from slidefusion.offload.policy import AUTO
+from slidefusion.offload.plan.model_shape import ModelShape, shape_of_config
 from slidefusion.text import CaptionCache, build_text_encoder
 from slidefusion.vae import build_autoencoder
 
@@ -46,14 +51,19 @@ class ResidentOptimizer:
             group["lr"] = lr
 
     def train_step(self, loss_fn) -> float:
-        """Forward + backward of `loss_fn(model)`, optional clipping, one AdamW step; the loss."""
+        """Forward + backward of `loss_fn(model)`, optional clipping, one AdamW step; the loss.
+        A list of loss functions (micro-batches, each scaled by its share) adds up their gradients
+        before the one step; returns the sum of their losses."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model)
-        loss.backward()
+        value = 0.0
+        for fn in loss_fn if isinstance(loss_fn, (list, tuple)) else [loss_fn]:
+            loss = fn(self.model)
+            loss.backward()
+            value += loss.item()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        return loss.item()
+        return value
 
     def model_state_dict(self) -> dict:
         """The weights being trained (an offload engine returns its fp32 master copy here)."""
@@ -64,6 +74,20 @@ class ResidentOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def offload_policy(config, model: nn.Module, blocks, grid: tuple[int, int, int], shape: ModelShape) -> OffloadPolicy:
+    """The engine's policy: the `offload:` section with the run's device, the `optim:` section and lora's fp8 base,
+    its `auto` values resolved against `model` (meta is enough) with `blocks` (the engine's, in call
+    order) and one step of `grid` (T, H, W), or the planner's one-line refusal. `shape`: the widths
+    the activations scale with."""
+    policy = dataclasses.replace(config.offload, device=config.run.device, optim=config.optim,
+                                 frozen_dtype=config.lora.base_torch_dtype, frozen_scales=config.lora.base_scales)
+    if config.parallel.sp > 1 and policy.tile == AUTO:  # tiles do not split over a sample's ranks: whole blocks
+        policy = dataclasses.replace(policy, tile=None)
+    attention = shape.attention if shape.attention in ("dense", "flash", "window", "slide") else "dense"  # unknown: worst
+    work = Workload(batch=config.run.batch_size, tokens=math.prod(grid), attention=attention, frames=grid[0])
+    return fitting_policy(model, blocks, policy, shape, work)
 
 
 def data_options(data) -> dict:
@@ -77,8 +101,22 @@ def data_options(data) -> dict:
     return options
 
 
-def dataset_of(data):
-    """The run's dataset; an error about one of its arguments names the config key ("data.root: ...")."""
+def dataset_of(data, quiet: bool = True):
+    """The run's dataset; an error about one of its arguments names the config key ("data.root: ...").
+    Real files are scanned (`slidefusion.data.sources`) into clips of the one size the keys give,
+    the skip table printed unless `quiet`."""
+    if data.kind == "folder":
+        from slidefusion.data.sources import Rules, format_table, scan
+
+        for name in ("resolution", "frame_buckets"):
+            check(getattr(data, name) is None, f"data.{name} applies to fine-tunes of diffusers folders "
+                                               "(model.pretrained); our own models train on one clip size")
+        dataset, reports = scan(data.sources(), Rules((data.frames,), (data.height, data.width), None, 1), data.strict)
+        if not quiet:
+            print(format_table(reports))
+        return dataset
+    if data.ignored_buckets() and not quiet:
+        print(data.ignored_buckets())
     options = data_options(data)
     try:
         return build_dataset(**options)
@@ -90,10 +128,22 @@ def dataset_of(data):
 
 
 def draw_batch(dataset, size: int, caption_dropout: float, generator: torch.Generator, caption_of):
-    """(indices, captions) of one batch, some captions dropped to "" for CFG: the same draws for every task."""
+    """(indices, captions) of one batch, some captions dropped to "" for CFG: the same draws for every task.
+    A data-parallel rank draws the whole global batch (`size`) and keeps its `Rows`."""
     indices = torch.randint(len(dataset), (size,), generator=generator).tolist()
     drop = torch.rand(size, generator=generator) < caption_dropout
     return indices, ["" if d else caption_of(i) for d, i in zip(drop.tolist(), indices)]
+
+
+def dataset_caption(dataset, index: int) -> str:
+    """A clip's caption without decoding its video where the dataset allows."""
+    if hasattr(dataset, "captions"):
+        return dataset.captions[index]
+    if hasattr(dataset, "scene"):
+        from slidefusion.data import caption
+
+        return caption(dataset.scene(index))
+    return dataset[index]["caption"]
 
 
 def with_negatives(captions: list[str], generator: torch.Generator) -> tuple[list[str], torch.Tensor]:
@@ -108,11 +158,20 @@ def with_negatives(captions: list[str], generator: torch.Generator) -> tuple[lis
 
 class OwnModelTask:
     """One of our presets trained by rectified flow, text from `config.text_encoder` (captions cached
-    per run), latents from `config.autoencoder`."""
+    per run), latents from `config.autoencoder`. `rows` (set by a data-parallel trainer): this
+    rank's share of each step's batch (None: all of it)."""
 
-    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False):
+    rows = None
+
+    def __init__(self, config, device: torch.device, run_dir: Path, quiet: bool = False, ranks=None):
         self.config, self.device = config, device
+        check(not config.validate.enabled, "validate.prompts and validate.data apply to fine-tunes of diffusers folders "
+                                           "(model.pretrained=DIR); sample our own models with generate --checkpoint")
+        self.rows = None if ranks is None else ranks.rows(config.run.batch_size)
         data = config.data
+        if config.diffusion.image_dropout:
+            raise UserError(f"diffusion.image_dropout={config.diffusion.image_dropout} applies to image-to-video "
+                            "fine-tunes of a diffusers folder (model.pretrained=DIR); set it to 0")
         self.autoencoder = build_autoencoder(config.autoencoder).to(device)
         latent = self.autoencoder.latent_shape(data.frames, data.height, data.width)  # fails early on a bad size
         if latent[0] != config.model.in_channels:
@@ -123,37 +182,69 @@ class OwnModelTask:
                                       ema=config.optim.ema_decay is not None, offload=offload)
         memory.check_fits(parts, device, "a training step", "lower run.batch_size, data.frames, data.height "
                           "or data.width, or choose a smaller model" + ("" if offload else ", or train with --offload"))
-        self.dataset = dataset_of(data)
+        self.dataset = dataset_of(data, quiet)
         encoder = build_text_encoder(config.text_encoder, config.text_max_length, width=config.model.text_dim)
         self.captions = CaptionCache(encoder, run_dir / "captions.safetensors")
         torch.manual_seed(config.run.seed)  # the initial weights are a function of the config alone
         self.model = build_model(config.model, "cpu" if offload else device)
         grid = self.model.token_grid((1, *latent))  # a size the patch does not divide fails here, by name
-        self.optimizer = (offload_optimizer(self.model, config, grid) if offload
-                          else ResidentOptimizer(self.model, config.optim))
+        if ranks is not None:
+            ranks.sequence_parallel(self.model)  # before the offload engine's hooks, which then run the hooked blocks
+        if offload:
+            blocks = engine_blocks(self.model)
+            policy = offload_policy(config, self.model, blocks, grid, shape_of_config(config.model))
+            groups = None if ranks is None else ranks.engine_groups()
+            self.optimizer = OffloadEngine(self.model, blocks, policy, ranks=groups)
+        elif ranks is None:
+            self.optimizer = ResidentOptimizer(self.model, config.optim)
+        else:
+            self.optimizer = ranks.resident_optimizer(self.model)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches drawn with replacement: an epoch is as many clips as the dataset holds."""
+        run = self.config.run
+        return max(1, math.ceil(len(self.dataset) / (run.batch_size * run.grad_accum)))
+
+    def describe_data(self) -> str | None:
+        return None
 
     def batch(self, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-        """A batch of clips (B, 3, T, H, W) and captions, some dropped to "" for CFG."""
-        indices, captions = draw_batch(self.dataset, self.config.run.batch_size, self.config.diffusion.caption_dropout,
-                                       generator, lambda i: self.dataset[i]["caption"])
-        return torch.stack([self.dataset[i]["video"] for i in indices]), captions
+        """This rank's clips (B, 3, T, H, W) of the step's batch, and the whole batch's captions,
+        some dropped to "" for CFG."""
+        rows = local_rows(self.rows, self.config.run.batch_size)
+        indices, captions = draw_batch(self.dataset, rows.total, self.config.diffusion.caption_dropout,
+                                       generator, lambda i: dataset_caption(self.dataset, i))
+        return torch.stack([self.dataset[i]["video"] for i in rows.take(indices)]), captions
 
-    def loss_fn(self, generator: torch.Generator):
-        """The step's loss as a function of the model, as the optimizer seam wants it."""
+    def loss_fn(self, generator: torch.Generator, step: int = 0):
+        """The step's loss as a function of the model, as the optimizer seam wants it; with
+        `run.grad_accum` > 1 a list of micro-batch losses, each scaled by 1 / grad_accum."""
+        accum = self.config.run.grad_accum
+        fns = [self._micro_loss(generator, 1.0 / accum) for _ in range(accum)]
+        return fns[0] if accum == 1 else fns
+
+    def _micro_loss(self, generator: torch.Generator, weight: float):
+        rows = local_rows(self.rows, self.config.run.batch_size)
         video, captions = self.batch(generator)
         with torch.no_grad():
             latents = self.autoencoder.encode(video.to(self.device))
         diffusion = self.config.diffusion
         if diffusion.direction_contrast > 0:
             captions, has_negative = with_negatives(captions, generator)
+            captions = rows.take(captions[:rows.total]) + rows.take(captions[rows.total:])
+        else:
+            captions = rows.take(captions)
         states, mask = self.captions.get(captions)
         states, mask = states.to(self.device), mask.to(self.device)
 
         def loss(model: nn.Module) -> torch.Tensor:
             velocity = lambda x, t: model(x, t, states, mask)  # noqa: E731
             if diffusion.direction_contrast > 0:
-                return contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator)
-            return flow_loss(velocity, latents, diffusion, generator)
+                value = contrastive_flow_loss(velocity, latents, has_negative, diffusion, generator, rows)
+            else:
+                value = flow_loss(velocity, latents, diffusion, generator, rows)
+            return value if weight == 1.0 else value * weight
 
         return loss
 
@@ -165,7 +256,15 @@ class OwnModelTask:
         return state
 
     def load_weights(self, weights: dict, source: Path) -> None:
-        self.model.load_state_dict(weights)
+        load_model_weights(self.optimizer, self.model, weights)
 
     def after_save(self) -> None:
         self.captions.save()
+
+
+def load_model_weights(optimizer, model: nn.Module, weights: dict, strict: bool = True) -> None:
+    """`model.load_state_dict(weights)`, through the optimizer where it owns the weights' layout (FSDP2)."""
+    load = getattr(optimizer, "load_model_weights", None)
+    if load is not None:
+        return load(weights, strict=strict)
+    model.load_state_dict(weights, strict=strict)

@@ -5,6 +5,7 @@ from slidefusion.vae.base import (
     DiffusersVideoAutoencoder,
     IdentityAutoencoder,
     build_autoencoder,
+    check_decoded,
 )
 
-__all__ = ["Autoencoder", "DiffusersVideoAutoencoder", "IdentityAutoencoder", "build_autoencoder"]
+__all__ = ["Autoencoder", "DiffusersVideoAutoencoder", "IdentityAutoencoder", "build_autoencoder", "check_decoded"]

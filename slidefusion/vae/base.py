@@ -21,7 +21,18 @@ from torch import Tensor, nn
 
 from slidefusion.errors import UserError, check
 
-_VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (e.g. a saved AutoencoderKLWan)"
+_VALID_VAES = "valid: 'identity' or a local diffusers video VAE folder (a VAE saved with save_pretrained)"
+
+
+def check_decoded(video: Tensor) -> Tensor:
+    """`video` (decoded pixels), or NonFiniteError: finite latents can still decode to NaN (a damaged
+    VAE weight), and a NaN pixel would be written as mid-grey, a video that looks like a result."""
+    from slidefusion.core.errors import NonFiniteError
+
+    if not torch.isfinite(video).all():
+        raise NonFiniteError("decoding produced NaN or infinite pixels although the latents were finite; nothing "
+                             "was written; the VAE's weights are damaged (fetch vae/ again)")
+    return video
 
 
 class Autoencoder(nn.Module, ABC):
@@ -153,11 +164,15 @@ class DiffusersVideoAutoencoder(Autoencoder):
         return self.vae.decode(z).sample  # (B, 3, T, H, W)
 
 
-IMAGE_VAES = ("AutoencoderKL",)  # 2-D VAEs used frame by frame (LattePipeline)
-
-
 def is_image_vae(vae) -> bool:
-    return type(vae).__name__ in IMAGE_VAES
+    """A 2-D image VAE that a family's pipeline runs frame by frame (`VaeFacts.image`)."""
+    return is_image_vae_class(type(vae).__name__)
+
+
+def is_image_vae_class(name: str) -> bool:
+    from slidefusion.families import vae_facts
+
+    return vae_facts(name)[0]
 
 
 def _frames(x: Tensor) -> Tensor:
@@ -226,7 +241,7 @@ def build_autoencoder(name: str) -> Autoencoder:
     check(isinstance(name, str) and name.strip() != "", f"vae={name!r} is invalid; {_VALID_VAES}")
     if name.strip().lower() == "identity":
         return IdentityAutoencoder()
+    from slidefusion.io.diffusers import model_dir
+
     path = Path(name).expanduser()
-    pipeline_folder = not (path / "config.json").exists() and (path / "vae" / "config.json").exists()
-    return DiffusersVideoAutoencoder.from_pretrained(path if path.exists() else name,
-                                                     subfolder="vae" if pipeline_folder else None)
+    return DiffusersVideoAutoencoder.from_pretrained(model_dir(path, "vae") or (path if path.exists() else name))

@@ -162,8 +162,8 @@ def test_bad_arguments_name_the_parameter():
         slide_attention(*(x.long() for x in (q, k, v)), (3, 3, 3))
     with pytest.raises(UserError, match="q must be 6-D"):
         slide_attention(q[0], k[0], v[0], (3, 3, 3))
-    with pytest.raises(UserError, match="offset_mode"):
-        SlideAttention3d(12, 3, offset_mode="free")
+    with pytest.raises(UserError, match="offsets='free' is unknown; valid: sample, shift"):
+        SlideAttention3d(12, 3, offsets="free")
     with pytest.raises(UserError, match="kernel_size"):
         build_attention("neighborhood", 12, 3, kernel_size=(3, 4, 3))
     with pytest.raises(UserError, match="max_offset"):
@@ -177,7 +177,7 @@ def test_bad_arguments_name_the_parameter():
 @pytest.mark.parametrize("mode", ["sample", "shift"])
 def test_slide_module_starts_as_neighbourhood_and_learns_offsets(mode):
     torch.manual_seed(0)
-    slide = SlideAttention3d(12, 4, (3, 3, 5), offset_mode=mode).double()
+    slide = SlideAttention3d(12, 4, (3, 3, 5), offsets=mode).double()
     nbhd = NeighborhoodAttention3d(12, 4, (3, 3, 5)).double()
     nbhd.load_state_dict(slide.state_dict(), strict=False)
     x = torch.randn(2, 3, 5, 7, 12, dtype=torch.float64)
@@ -186,7 +186,7 @@ def test_slide_module_starts_as_neighbourhood_and_learns_offsets(mode):
     assert slide.offset_linear.weight.grad.abs().sum() > 0  # zero-init, but not dead
     with torch.no_grad():
         slide.offset_linear.bias.fill_(5.0)
-    off = slide.offsets(torch.randn(2, 3, 5, 7, 4, 3, dtype=torch.float64), (3, 3, 5))
+    off = slide.predict_offsets(torch.randn(2, 3, 5, 7, 4, 3, dtype=torch.float64), (3, 3, 5))
     assert off.shape == (2, 3, 5, 7, 4, 45 if mode == "sample" else 1, 3)
     assert off.abs().max() <= slide.max_offset
 
@@ -198,7 +198,7 @@ def test_modules_fit_their_window_to_small_grids():
 
 
 def test_registry_builds_slide_and_neighborhood():
-    slide = build_attention("slide", 12, 3, block_index=1, kernel_size=[3, 5, 5], offset_mode="shift")
+    slide = build_attention("slide", 12, 3, block_index=1, kernel_size=[3, 5, 5], offsets="shift")
     assert isinstance(slide, SlideAttention3d) and slide.kernel_size == (3, 5, 5) and slide.slots == 1
     assert isinstance(build_attention("neighborhood", 12, 3), NeighborhoodAttention3d)
 
@@ -208,7 +208,7 @@ def test_dit3d_trains_with_slide_attention(mode):
     from slidefusion.models import build_model, preset
 
     torch.manual_seed(0)
-    config = preset("dit3d-tiny", attention="slide", attention_options={"kernel_size": [3, 3, 3], "offset_mode": mode})
+    config = preset("dit3d-tiny", attention="slide", attention_options={"kernel_size": [3, 3, 3], "offsets": mode})
     model = build_model(config)
     assert all(isinstance(block.attn, SlideAttention3d) for block in model.blocks)
     x, t, context = torch.randn(2, 3, 3, 6, 10), torch.rand(2), torch.randn(2, 5, config.text_dim)
@@ -216,3 +216,14 @@ def test_dit3d_trains_with_slide_attention(mode):
     assert out.shape == x.shape
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_the_old_offset_mode_key_still_builds_with_one_deprecation_line():
+    torch.manual_seed(0)
+    new = build_attention("slide", 12, 3, kernel_size=[3, 3, 3], offsets="shift")
+    with pytest.warns(FutureWarning, match=r"^model.attention_options.offset_mode is deprecated; write "
+                                           r"model.attention_options.offsets \(same values\)$"):
+        old = build_attention("slide", 12, 3, kernel_size=[3, 3, 3], offset_mode="shift")
+    assert old.offsets == new.offsets == "shift" and old.state_dict().keys() == new.state_dict().keys()
+    with pytest.raises(UserError, match="gives both offset_mode and offsets"):
+        build_attention("slide", 12, 3, offset_mode="shift", offsets="sample")

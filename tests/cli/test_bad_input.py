@@ -53,7 +53,8 @@ BASE = {
 }
 # A valid fine-tune of the tiny Wan folder (`{ft} key=BAD`) and a valid sampling of it (`{genp} --flag BAD`).
 FINETUNE = ("train {wan_config} model.pretrained={wan} data.kind=shapes data.num_samples=1 data.frames=5 data.height=48 "
-            "data.width=80 run.device=cpu run.steps=1 run.batch_size=1 run.output_dir={cwd}/runs --quiet")
+            "data.width=80 run.device=cpu run.steps=1 run.batch_size=1 run.output_dir={cwd}/runs --quiet "
+            "'data.resolution=[80, 48]' 'data.frame_buckets=[1, 5]'")  # buckets the tiny Wan's rotary table holds
 GENERATE_PRETRAINED = "generate --pretrained {wan} --prompt x --steps 1 --frames 5 --height 48 --width 80 --out {cwd}/v.gif --quiet"
 
 FLAGS = [  # (command, flag, kind of its values)
@@ -61,6 +62,7 @@ FLAGS = [  # (command, flag, kind of its values)
     ("generate", "--steps", "steps"), ("generate", "--guidance", "guidance"), ("generate", "--seed", "seed"),
     ("generate", "--device", "device"), ("generate", "--out", "video_out"), ("generate", "--prompt", "text"),
     ("generate", "--timeout", "positive_float"), ("generate", "--trace", "json_out"),
+    ("generate", "--ulysses", "positive_int"), ("generate", "--ring", "positive_int"),
     *[("demo", f, "positive_int") for f in ("--frames", "--height", "--width")],
     ("demo", "--steps", "steps"), ("demo", "--guidance", "guidance"), ("demo", "--seed", "seed"),
     ("demo", "--device", "device"), ("demo", "--prompt", "text"),
@@ -107,6 +109,13 @@ KEYS = [
     ("offload.optimizer_threads", ["0", "-1", "1.5", "true", "all"]),
     ("lora.rank", ["0", "-1", "abc", "1.5", "true", "4"]), ("lora.alpha", ["0", "-1", ".nan"]),
     ("lora.target_modules", ["[]", "5", "['']"]), ("data.cache_dir", ["[1]"]),
+    # the trainer: loop, schedules, validation, logging, datasets
+    ("run.grad_accum", ["0", "-1", "1.5", "abc"]), ("run.epochs", ["0", "-1", "abc"]), ("run.wandb", ["''", "a/b", "[1]"]),
+    ("optim.schedule", ["exp", "''", "[cosine]"]), ("optim.min_lr", ["-1", ".nan", "1"]),
+    ("validate.every", ["0", "-1", "abc"]), ("validate.steps", ["0", "10001"]), ("validate.guidance", ["-1", ".nan"]),
+    ("validate.seed", ["-1"]), ("validate.frames", ["0"]), ("validate.prompts", ["[]", "['']", "{cwd}/none.txt", "5"]),
+    ("data.strict", ["maybe", "[1]"]), ("data.resolution", ["abc", "[1.5]", "[]"]), ("data.frame_buckets", ["[]", "[0]", "5"]),
+    ("data.datasets", ["[]", "5", "[5]", "'[{{bogus: 1}}]'"]),
 ]
 
 # Hand-written invocations: (argv, text the one error line must contain).
@@ -131,7 +140,7 @@ CASES = [
     ("train {tiny} model.attention=slide 'model.attention_options={{kernel_size: [3, 0, 7]}}'", "kernel_size must be odd"),
     ("train {tiny} model.attention=slide 'model.attention_options={{kernel_size: [3, -7, 7]}}'", "kernel_size must be odd"),
     ("train {tiny} text_max_length=1", "max_length=1"),
-    ("train {tiny} text_encoder=''", "text_encoder="), ("train {tiny} model.preset=bogus", "preset 'bogus'"), ("train {tiny} autoencoder=bogus", "bogus"),
+    ("train {tiny} text_encoder=''", "text_encoder="), ("train {tiny} model.preset=bogus", "preset='bogus'"), ("train {tiny} autoencoder=bogus", "bogus"),
     ("train {tiny} data.height=65536 data.width=65536 run.output_dir={cwd}/r", "data.height"),
     ("train {tiny} model.preset=dit3d-105b model.in_channels=3 model.text_dim=384 run.output_dir={cwd}/r", "needs about"),
     ("train {tiny} --offload data.height=65536 data.width=65536 run.output_dir={cwd}/r", "data.height"),
@@ -175,7 +184,7 @@ CASES = [
     ("{genp} --checkpoint {ckpt}", "--pretrained brings its own model"),
     ("{genp} --init random --model stdit-tiny", "--pretrained brings its own model"),
     ("{genp} --pretrained {folder}", "is not a diffusers model folder"),
-    ("{genp} --pretrained {unsupported}", "supported: WanTransformer3DModel, CogVideoXTransformer3DModel"),
+    ("{genp} --pretrained {unsupported}", "supported: CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel"),
     ("{genp} --pretrained {missing_shard}", "missing weights shard"),
     ("{genp} --pretrained {bare}", "bare transformer folder"),
     ("{genp} --parallel ulysses", "--parallel needs a launcher"),
@@ -183,7 +192,7 @@ CASES = [
     ("{ft} model.pretrained={folder}", "is not a diffusers model folder"),
     ("{ft} model.pretrained={cwd}/nowhere", "is not a directory"),
     ("{ft} model.pretrained=''", "model.pretrained=None must be a str"), ("{ft} 'model.pretrained=\" \"'", "must name a local"),
-    ("{ft} model.pretrained={unsupported}", "supported: WanTransformer3DModel, CogVideoXTransformer3DModel"),
+    ("{ft} model.pretrained={unsupported}", "supported: CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel"),
     ("{ft} model.pretrained={missing_shard}", "missing weights shard"),
     ("{ft} model.pretrained={bare}", "bare transformer folder"),
     ("{ft} model.preset=dit3d-tiny", "model.preset cannot be combined with model.pretrained"),
@@ -193,7 +202,7 @@ CASES = [
     ("{ft} data.height=44", "data.frames/height/width"),
     ("{ft} data.width=1040", "exceeds this Wan's rotary table: frames, height and width / patch must each be <= rope_max_seq_len=32"),
     ("{ft} data.kind=folder data.root={cwd}/nowhere", "data.root: no such folder"),
-    ("{ft} data.kind=folder data.root={folder}", "data.root: no videos"),
+    ("{ft} data.kind=folder data.root={folder}", "holds no image or video files (supported: .png .jpg"),
     ("{ft} run.name=off", "run.name=False must be a str; YAML reads yes/no/on/off/true/false as booleans: quote the value"),
     ("{ft} lora.rank=0", "lora.rank=0 must be a positive int"),
     ("{ft} lora.rank=4 lora.target_modules=[bogus]", "lora.target_modules: 'bogus' matches no Linear module"),
@@ -209,8 +218,8 @@ CASES = [
     ("{ft} model.attention=slide 'model.attention_options={{window_size: 3}}'", "has no 'window_size'"),
     ("{ft} model.attention=slide 'model.attention_options={{max_offset: 0}}'", "max_offset=0 must be a finite number"),
     ("{ft} 'model.attention_options={{kernel_size: 3}}'", "need model.attention=slide"),
-    ("{ft} model.attention=neighborhood 'model.attention_options={{offset_mode: sample}}'", "neighborhood has no offsets"),
-    ("{ft} model.pretrained={unsupported} model.attention=slide", "supported: WanTransformer3DModel"),
+    ("{ft} model.attention=neighborhood 'model.attention_options={{offsets: sample}}'", "neighborhood has no offsets"),
+    ("{ft} model.pretrained={unsupported} model.attention=slide", "supported: CogVideoXTransformer3DModel"),
     # export --format diffusers
     ("export --checkpoint {ckpt} --out {cwd}/e --format diffusers", "needs a checkpoint of a diffusers fine-tune"),
     ("export --checkpoint {ckpt} --out {cwd}/e --format bogus", "--format"),
@@ -265,6 +274,32 @@ CASES = [
     ("{ft} --offload offload.tile=1 model.attention=slide",
      "offload.tile=1: blocks.0.attn1 runs SlideWanAttnProcessor; tiling WanTransformer3DModel's blocks needs its stock"),
     ("{ft} --offload offload.spill_dir={cwd}/nowhere", "offload.spill_dir="),
+    # the trainer's datasets, buckets, loop and validation: one line each, before any work
+    ("train {tiny} 'data.datasets=[]' data.kind=folder", "data.datasets=[] is empty"),
+    ("{ft} data.kind=folder data.root={uncaptioned}", "none of its 1 files is usable (1 no caption)"),
+    ("{ft} data.kind=folder 'data.datasets=[{{root: {uncaptioned}}}]' data.root=null",
+     "data.datasets[0].root="),
+    ("{ft} data.kind=folder data.root={uncaptioned} data.strict=true 'data.datasets=null'", "none of its 1 files"),
+    ("{ft} data.kind=folder data.root={folder} 'data.frame_buckets=[1, 8]'",
+     "data.frame_buckets: 8 is not allowed by this VAE; valid: 1 + 4k"),
+    ("{ft} data.kind=folder data.root={folder} 'data.resolution=[90, 48]'", "data.resolution=[90, 48]: 90 is not divisible by 16"),
+    ("{ft} data.kind=folder data.root={folder} data.resolution=40", "data.resolution=40: 40 is not divisible by 16"),
+    ("{ft} data.kind=folder 'data.datasets=[{{root: {folder}, resolution: [48, 40]}}]' data.root=null",
+     "data.datasets[0].resolution=[48, 40]: 40 is not divisible by 16"),
+    ("{ft} data.kind=folder 'data.datasets=[{{root: {folder}, repeats: 0}}]' data.root=null", "data.datasets[0].repeats=0"),
+    ("{ft} data.kind=folder 'data.datasets=[{{root: {folder}, frames: middle}}]' data.root=null",
+     "data.datasets[0].frames='middle' is unknown; valid: head, chunk, slide, uniform"),
+    ("{ft} data.kind=folder 'data.datasets=[{{root: {folder}}}]'", "data.root="),
+    ("{ft} run.grad_accum=0", "run.grad_accum=0 must be >= 1"), ("{ft} optim.schedule=step", "optim.schedule='step' is unknown"),
+    ("{ft} validate.prompts={cwd}/none.txt", "validate.prompts="), ("{ft} validate.every=0", "validate.every=0 must be >= 1"),
+    ("{ft} 'validate.prompts=[a fox]' validate.frames=6", "validate.frames/height/width [6, 48, 80]: frames=6 is not allowed"),
+    ("{ft} data.kind=folder data.root={captioned} 'validate.data=[{{root: {uncaptioned}}}]'", "validate.data[0].root="),
+    ("{ft} data.kind=folder data.root={captioned} 'data.frame_buckets=[9]'", "none of its 1 files is usable (1 too short)"),
+    ("train {tiny} data.kind=folder data.root={folder} data.resolution=64", "data.resolution applies to fine-tunes"),
+    ("cache {tiny} run.output_dir={cwd}/r", "slidefusion cache applies to fine-tunes of diffusers folders"),
+    ("train {tiny} 'validate.prompts=[a red circle]' run.output_dir={cwd}/r", "validate.prompts and validate.data apply to"),
+    ("cache", "required: config"), ("cache {tiny} --bogus", "unrecognized arguments"),
+    ("{cache} data.kind=folder data.root={uncaptioned}", "none of its 1 files is usable"),
 ]
 
 
@@ -273,7 +308,8 @@ def _table() -> list[tuple[str, str]]:
             for cmd, flag, kind in FLAGS for value in BAD[kind]]
     rows += [(f"{BASE['train']} {key}={shlex.quote(value) if '{' not in value else value}", key)
              for key, values in KEYS for value in values]
-    aliases = {"{gen}": BASE["generate"], "{plan}": BASE["plan"], "{genp}": GENERATE_PRETRAINED, "{ft}": FINETUNE}
+    aliases = {"{gen}": BASE["generate"], "{plan}": BASE["plan"], "{genp}": GENERATE_PRETRAINED, "{ft}": FINETUNE,
+               "{cache}": "cache" + FINETUNE[len("train"):]}
     for argv, needle in CASES:
         for alias, text in aliases.items():
             argv = argv.replace(alias, text)
@@ -360,6 +396,10 @@ def world(tmp_path_factory):
         paths[name] = root / f"{name}.{name.split('_')[-1].replace('prompts', 'txt')}"
         paths[name].write_text(text)
     paths.update(_diffusers_folders(root))
+    from slidefusion.testing.media import make_folder
+
+    paths["uncaptioned"] = make_folder(root / "uncaptioned", [("a.mp4", 5, 48, 80)], captions=False)
+    paths["captioned"] = make_folder(root / "captioned", [("a.mp4", 5, 48, 80)])
     paths["binary_yaml"] = root / "binary.yaml"
     paths["binary_yaml"].write_bytes(bytes(range(128, 256)))
     paths["cwd"] = root / "cwd"

@@ -13,7 +13,7 @@ def _run(*args):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "configs/tiny.yaml", "optim.lrr=1"], "unknown config key optim.lrr"),
-    (["train", "configs/tiny.yaml", "data.height=15"], "height=15 must be a multiple of the patch size 2"),
+    (["train", "configs/tiny.yaml", "data.height=15"], "height=15 must be a positive multiple of DiT3D's patch size 2"),
     (["train", "missing.yaml"], "config file missing.yaml does not exist"),
     (["generate", "--checkpoint", "no/such/dir", "--prompt", "a red circle"], "checkpoint no/such/dir not found"),
 ])
@@ -73,7 +73,8 @@ def test_unreadable_video_in_a_folder_dataset_exits_2(tmp_path, capsys):
             f"run.output_dir={tmp_path / 'runs'}", "--quiet"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "cannot read video" in err and "clip.mp4" in err and err.count("\n") == 1
+    assert "none of its 1 files is usable (1 unreadable)" in err and "clip.mp4" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()  # checked before the run folder is made
 
 
 def test_sampling_that_produces_nan_stops_with_exit_3_and_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -90,7 +91,7 @@ def test_sampling_that_produces_nan_stops_with_exit_3_and_writes_nothing(tmp_pat
 
 def test_export_replaces_an_earlier_export_only_with_force(tmp_path, capsys):
     from slidefusion.models import build_model, preset
-    from slidefusion.training.checkpoint import save_checkpoint
+    from slidefusion.io.checkpoint import save_checkpoint
 
     model = build_model(preset("dit3d-tiny"))
     source = save_checkpoint(tmp_path / "run", 3, {"a": 1}, model.state_dict(), state={"step": 3})

@@ -86,7 +86,7 @@ def test_size_not_divisible_by_patch_names_the_axis():
     config = preset("dit3d-tiny", patch_size=(2, 2, 2))
     model = build_model(config)
     x, t, context, mask = _inputs(config, (3, 4, 4))
-    with pytest.raises(UserError, match="frames=3 must be a multiple of the patch size 2"):
+    with pytest.raises(UserError, match="frames=3 must be a positive multiple of DiT3D.s patch size 2"):
         model(x, t, context, mask)
 
 

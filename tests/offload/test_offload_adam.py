@@ -6,8 +6,9 @@ import shutil
 import pytest
 import torch
 
-from slidefusion.offload import adam, kernels
-from slidefusion.offload.adam import TAIL, adamw_, adamw_parallel_, clip_coefficient, parameter_norms, pieces
+from slidefusion.offload.optim import adam
+from slidefusion.offload.optim import kernels
+from slidefusion.offload.optim.adam import TAIL, adamw_, adamw_parallel_, clip_coefficient, parameter_norms, pieces
 from slidefusion.optim import OptimConfig
 
 SIZES = [70_001, 1, 15, 64, 17, 3 * TAIL, 129, 4096 + 5]  # tails of every length, whole tensors, a single element

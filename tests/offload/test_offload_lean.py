@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from slidefusion.offload import OffloadEngine, kernels
-from slidefusion.offload.formats import QBLOCK, block_starts, trainable_bytes_per_param
-from slidefusion.offload.layout import layout_of
-from slidefusion.offload.lean import (
+from slidefusion.offload import OffloadEngine
+from slidefusion.offload.engine.layout import layout_of
+from slidefusion.offload.optim import kernels
+from slidefusion.offload.optim.formats import QBLOCK, block_starts, trainable_bytes_per_param
+from slidefusion.offload.optim.lean import (
     LeanBuffers,
     dequantize,
     encode8,

@@ -8,7 +8,9 @@ import pytest
 
 from slidefusion.cli import main
 from slidefusion.models import preset
-from slidefusion.offload.planner import Workload, grid_for, model_shape, plan_training
+from slidefusion.offload.plan.model_shape import model_shape
+from slidefusion.offload.plan.planner import grid_for, plan_training
+from slidefusion.offload.tiling.activations import Workload
 
 H200 = {"gpu_memory": 141e9, "host_memory": 1.5e12, "pcie_bytes_s": 55e9, "tflops": 990}
 PAPER = ["plan", "--model", "dit3d-105b", "--frames", "256", "--height", "1080", "--width", "1920", "--attention", "slide",

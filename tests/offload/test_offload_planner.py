@@ -5,7 +5,9 @@ import pytest
 from slidefusion.cli import main
 from slidefusion.errors import UserError
 from slidefusion.models import preset
-from slidefusion.offload.planner import Workload, parse_bytes, plan_training, tokens_for
+from slidefusion.offload.plan.plan import parse_bytes
+from slidefusion.offload.plan.planner import plan_training, tokens_for
+from slidefusion.offload.tiling.activations import Workload
 
 H200 = {"gpu_memory": 141e9, "host_memory": 1.5e12, "pcie_bytes_s": 55e9, "tflops": 990}
 
@@ -56,32 +58,33 @@ PINNED = ["plan", "--model", "wan2.1-14b", "--frames", "81", "--height", "480", 
           "--host-memory", "128GB"]
 
 
-def _wan_counts(cfg: dict) -> tuple[int, int]:
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**cfg)
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
-    assert len(set(blocks)) == 1
-    return blocks[0], sum(p.numel() for p in model.parameters()) - sum(blocks)
-
-
 TINY_WAN = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
                 freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
 
 
-@pytest.mark.parametrize("name, variant", [("wan2.1-1.3b", {}), ("wan2.1-14b", {}), (None, {}),
-                                           (None, {"cross_attn_norm": False, "out_channels": None}),
-                                           (None, {"image_dim": 24, "added_kv_proj_dim": 24, "pos_embed_seq_len": 6})])
-def test_the_wan_parameter_formula_counts_what_diffusers_builds(name, variant):
-    from slidefusion.offload.shapes import WAN_PRESETS, wan_params
+@pytest.mark.parametrize("variant", [{}, {"cross_attn_norm": False, "out_channels": None},
+                                     {"image_dim": 24, "added_kv_proj_dim": 24, "pos_embed_seq_len": 6}])
+def test_meta_device_counts_are_what_diffusers_builds(variant):
+    """Counted on the meta device, block by block, equal to the parameters of the model itself."""
+    from diffusers import WanTransformer3DModel
 
-    cfg = {**(WAN_PRESETS[name] if name else TINY_WAN), **variant}
-    assert wan_params(cfg) == _wan_counts(cfg)
-    if name:  # the published totals
-        total = {"wan2.1-1.3b": 1_418_996_800, "wan2.1-14b": 14_288_491_584}[name]
-        assert wan_params(cfg)[0] * cfg["num_layers"] + wan_params(cfg)[1] == total
+    from slidefusion.families import adapter_for_class
+    from slidefusion.offload.plan.model_shape import meta_transformer, shape_of_model
+
+    cfg, adapter = {**TINY_WAN, **variant}, adapter_for_class("WanTransformer3DModel")
+    shape = shape_of_model(meta_transformer(adapter, cfg), adapter)
+    real = WanTransformer3DModel(**cfg)
+    assert shape.block_params == tuple(sum(p.numel() for p in b.parameters()) for b in real.blocks)
+    assert shape.params == sum(p.numel() for p in real.parameters()) and shape.patch == (1, 2, 2)
+    assert (shape.hidden, shape.heads, shape.mlp_ratio, shape.text_tokens) == (16, 2, 2.0, 512)
+
+
+@pytest.mark.parametrize("name, total", [("wan2.1-1.3b", 1_418_996_800), ("wan2.1-14b", 14_288_491_584)])
+def test_published_models_count_their_published_totals(name, total):
+    from slidefusion.offload.plan.model_shape import model_shape
+
+    shape = model_shape(name)
+    assert shape.params == total and len(shape.block_params) == {"wan2.1-1.3b": 30, "wan2.1-14b": 40}[name]
 
 
 def test_the_pinned_wan_14b_command_fits_lean_and_not_in_fp32(capsys):
@@ -112,15 +115,14 @@ def test_resident_blocks_take_the_spare_device_memory(capsys):
 def test_plan_reads_a_diffusers_transformer_folder(tmp_path, capsys):
     from diffusers import WanTransformer3DModel
 
-    from slidefusion.offload.shapes import wan_params
-
     pipeline = tmp_path / "pipe"
-    WanTransformer3DModel(**TINY_WAN).save_config(str(pipeline / "transformer"))
+    model = WanTransformer3DModel(**TINY_WAN)
+    model.save_config(str(pipeline / "transformer"))
     args = ["plan", "--frames", "9", "--height", "64", "--width", "64", "--gpu-memory", "1GB", "--host-memory", "1GB"]
     for folder in (pipeline, pipeline / "transformer"):
         assert main([*args, "--model", str(folder)]) == 0
-        block, rest = wan_params({**TINY_WAN, "cross_attn_norm": True})
-        assert f"{(3 * block + rest) / 1e9:.2f} B parameters in 3 blocks" in capsys.readouterr().out
+        total = sum(p.numel() for p in model.parameters())
+        assert f"{total / 1e9:.2f} B parameters in 3 blocks" in capsys.readouterr().out
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"_class_name": "CogVideoXTransformer3DModel"}')
     assert main([*args, "--model", str(tmp_path / "other")]) == 2

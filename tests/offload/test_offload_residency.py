@@ -9,8 +9,9 @@ import torch
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine
-from slidefusion.offload.pinning import HostAllocator
-from slidefusion.offload.planner import auto_resident_blocks, engine_plan
+from slidefusion.offload.engine.pinning import HostAllocator
+from slidefusion.offload.plan.footprint import engine_plan
+from slidefusion.offload.plan.resolve import auto_resident_blocks
 from slidefusion.testing.delays import inject_delays
 from test_offload_engine import MODELS, _loss, _policy
 

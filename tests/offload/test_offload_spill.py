@@ -15,8 +15,8 @@ import torch
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.checkpoints import SpilledCheckpoints
-from slidefusion.offload.spill import SpillFile
+from slidefusion.offload.tiling.activation_store import SpilledCheckpoints
+from slidefusion.offload.tiling.spill import SpillFile
 from slidefusion.optim import OptimConfig
 
 OPTIM = OptimConfig(lr=1e-3, max_grad_norm=None, warmup_steps=0, ema_decay=None)
@@ -126,7 +126,7 @@ def test_named_spill_files_go_on_success_and_on_an_exception(tmp_path):
     engine.close()
     assert os.listdir(tmp_path) == []
     script = f"""
-        from slidefusion.offload.spill import SpillFile
+        from slidefusion.offload.tiling.spill import SpillFile
         spill = SpillFile({str(tmp_path)!r}, anonymous=False)
         raise SystemExit(1 if len(__import__("os").listdir({str(tmp_path)!r})) != 1 else 0)
     """
@@ -138,7 +138,7 @@ def test_stale_spill_files_of_a_killed_run_go_at_the_next_start(tmp_path):
     """Only dead owners' files: a live run's file, other names and symlinks stay."""
     script = f"""
         import os, signal, sys, torch
-        from slidefusion.offload.spill import SpillFile
+        from slidefusion.offload.tiling.spill import SpillFile
         spill = SpillFile({str(tmp_path)!r}, anonymous=False)
         spill.reserve(1 << 20)
         spill.write(0, torch.ones(1000))

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from slidefusion.offload.streamer import BlockStreamer
-from slidefusion.offload.transfer import DONE, ThreadCopier
+from slidefusion.offload.engine.streamer import BlockStreamer
+from slidefusion.offload.engine.transfer import DONE, ThreadCopier
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])

@@ -15,7 +15,7 @@ from slidefusion.models import build_model, preset
 from slidefusion.models.dit import FrameAttention, TimeAttention
 from slidefusion.models.layers import DiTBlock
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.tile_runner import TiledBlock, tile_blocks, untile_blocks
+from slidefusion.offload.tiling.tile_runner import TiledBlock, tile_blocks, untile_blocks
 from slidefusion.optim import OptimConfig
 
 C, GRID = 16, (7, 3, 4)  # 7 frames: no tile size below it but 1 and 7 divides it
@@ -25,7 +25,7 @@ ATTENTIONS = {
     "window shifted": ("window", 1, {"window_size": (2, 2, 3)}),
     "neighborhood": ("neighborhood", 0, {"kernel_size": (3, 3, 3)}),
     "slide": ("slide", 0, {"kernel_size": (3, 3, 3)}),
-    "slide shift, wide": ("slide", 0, {"kernel_size": (5, 3, 3), "offset_mode": "shift", "max_offset": 1.5}),
+    "slide shift, wide": ("slide", 0, {"kernel_size": (5, 3, 3), "offsets": "shift", "max_offset": 1.5}),
 }
 
 

@@ -10,13 +10,13 @@ from functools import partial
 import pytest
 import torch
 
-from slidefusion.adapters import adapter_for
-from slidefusion.errors import UserError
+from slidefusion.families import adapter_for
+from slidefusion.core.errors import UserError
 from slidefusion.offload import OffloadEngine, OffloadPolicy
-from slidefusion.offload.tile_runner import tile_blocks, untile_blocks
-from slidefusion.offload.training import engine_blocks
+from slidefusion.offload.tiling.tile_runner import tile_blocks, untile_blocks
+from slidefusion.offload import engine_blocks
 from slidefusion.optim import OptimConfig
-from slidefusion.processors import use_slide_attention
+from slidefusion.swap import use_slide_attention
 from slidefusion.testing.tiny import tiny_latents, tiny_model, tiny_text
 
 # case -> (tiny family, adapter options, one timestep per token); tokens per frame: Wan patches 1x2x2, LTX 1x1x1
@@ -29,19 +29,19 @@ def _model(case: str):
     return tiny_model(CASES[case][0]).train()
 
 
-def _loss(model, case: str, step: int = 0) -> torch.Tensor:
+def _loss(model, case: str, step: int = 0, batch: int = 2) -> torch.Tensor:
     _, options, per_token = CASES[case]
     adapter = adapter_for(model, **options)
-    x = tiny_latents(model, 2, THW, seed=step)
-    t = torch.tensor([300.0, 700.0]) + 10 * step
+    x = tiny_latents(model, batch, THW, seed=step)
+    t = torch.tensor([300.0, 700.0])[:batch] + 10 * step
     if per_token:  # LTX's image-to-video conditioning passes (B, N) timesteps
         t = t[:, None] + torch.arange(adapter.tokens(model, x.shape)) / 10
-    return (adapter.predict(model, x, t, tiny_text(model, 2, seed=step)) - x.flip(0)).pow(2).mean()
+    return (adapter.predict(model, x, t, tiny_text(model, batch, seed=step)) - x.flip(0)).pow(2).mean()
 
 
-def _grads(model, case: str) -> tuple[torch.Tensor, dict]:
+def _grads(model, case: str, batch: int = 2) -> tuple[torch.Tensor, dict]:
     model.zero_grad()
-    loss = _loss(model, case)
+    loss = _loss(model, case, batch=batch)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -74,6 +74,18 @@ def test_tiled_blocks_equal_whole_blocks(case, frames):
     untile_blocks(model)
     assert all("forward" not in block.__dict__ for block in adapter_for(model).blocks(model))
     assert not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiled_blocks_equal_whole_blocks_at_batch_one(case):
+    """At batch 1 autograd hands Wan's modulation table and temb one gradient tensor (an add of
+    equal shapes): the per-tile sums must copy it, not add into it twice."""
+    model = _model(case)
+    loss, grads = _grads(copy.deepcopy(model), case, batch=1)
+    tile_blocks(model, 2)
+    tiled_loss, tiled = _grads(model, case, batch=1)
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=0)
+    assert _error(tiled, grads) <= 1e-5
 
 
 @pytest.mark.parametrize("case", ["wan", "wan2.2-ti2v", "ltx"])

@@ -144,8 +144,8 @@ def scheduler_parts(model):
     """`denoise`'s parts for a bare transformer: its adapter and the family's scheduler."""
     from diffusers import DDIMScheduler
 
-    from slidefusion.adapters import adapter_for
-    from slidefusion.parallel.pretrained import PretrainedParts
+    from slidefusion.families import adapter_for
+    from slidefusion.pretrained import PretrainedParts
     from slidefusion.testing.tiny import wan_scheduler
 
     adapter = adapter_for(model)
@@ -158,7 +158,7 @@ def scheduler_parts(model):
 def sample_any(model, shape, steps=2):
     """Our sampler for our models; the family's scheduler loop (`denoise`, CFG batch 2) for diffusers'."""
     if not hasattr(model, "embed"):
-        from slidefusion.parallel.pretrained import denoise
+        from slidefusion.pretrained import denoise
         from slidefusion.testing.tiny import tiny_text
 
         parts = scheduler_parts(model)
@@ -171,7 +171,7 @@ def sample_any(model, shape, steps=2):
 
 def one_call(model, shape):
     """The model's prediction for a CFG batch of 2 at one timestep (adapter.predict)."""
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.testing.tiny import tiny_latents, tiny_text
 
     with torch.no_grad():

@@ -46,13 +46,12 @@ def test_hooks_are_inert_outside_a_parallel_call_and_keep_the_state_dict():
     model = random_model("dit3d-5h")
     keys = list(model.state_dict())
     before = run_sample(model, (1, 3, 2, 4, 6))
-    hooks.attach(model.blocks[0], hooks.ShardHook("full"))
-    hooks.attach(model.final, hooks.GatherHook())
+    hooks.attach(model.blocks[0], "shard", hooks.ShardHook("full"))
+    hooks.attach(model.final, "gather", hooks.GatherHook())
     for i, block in enumerate(model.blocks):
         site = AttentionSite(i, f"blocks.{i}.attn", "full", False)
-        hooks.attach(block.attn, UlyssesHook(site, access_for(block.attn)))
-    assert hooks.hooked(model.blocks[0].attn) is not None and list(model.state_dict()) == keys
+        hooks.attach(block.attn, "ulysses", UlyssesHook(site, access_for(block.attn)))
+    assert hooks.hooked(model.blocks[0].attn, "ulysses") is not None and list(model.state_dict()) == keys
     assert torch.equal(run_sample(model, (1, 3, 2, 4, 6)), before)
-    for module in (model.final, *model.blocks, *(block.attn for block in model.blocks)):
-        hooks.detach(module)
-    assert hooks.hooked(model.blocks[0].attn) is None and "forward" not in vars(model.blocks[0].attn)
+    hooks.detach_all(model)
+    assert hooks.hooked(model.blocks[0].attn, "ulysses") is None and "forward" not in vars(model.blocks[0].attn)

@@ -71,9 +71,9 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MAS
 
 
 @pytest.mark.parametrize("model, extra, env, message", [
-    ("dit3d-tiny", ["--parallel", "dsp"], {}, "valid for dit3d: ulysses"),
-    ("dit3d-tiny", ["--parallel", "scalefusion", "--slices", "2"], {}, "valid for dit3d: ulysses"),
-    ("dit3d-tiny", ["--parallel", "ulysses"], TORCHRUN_ENV, "3 ranks > 2 heads of dit3d"),
+    ("dit3d-tiny", ["--parallel", "dsp"], {}, "valid for DiT3D: ulysses"),
+    ("dit3d-tiny", ["--parallel", "scalefusion", "--slices", "2"], {}, "valid for DiT3D: ulysses"),
+    ("dit3d-tiny", ["--parallel", "ulysses"], TORCHRUN_ENV, "3 ranks > 2 heads of DiT3D"),
     ("dit3d-tiny", ["--parallel", "ulysses", "--cfg-parallel"], TORCHRUN_ENV, "cfg_parallel needs an even number"),
     ("stdit-tiny", ["--parallel", "ulysses", "--slices", "2"], {}, "ulysses --slices 2 slices full-3D attention"),
     ("stdit-tiny", ["--parallel", "dsp", "--slices", "4"], {}, "does not apply to the dsp schedule"),
@@ -81,6 +81,15 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MAS
     ("stdit-tiny", ["--slices", "2"], {}, "--slices applies to parallel runs only"),
     ("stdit-tiny", ["--trace", "t.json"], {}, "--trace applies to parallel runs only"),
     ("stdit-tiny", ["--cfg-parallel"], {}, "--cfg-parallel applies to parallel runs only"),
+    ("dit3d-tiny", ["--parallel", "usp"], {}, "--parallel usp needs its degrees: --ulysses U and/or --ring R"),
+    ("dit3d-tiny", ["--parallel", "usp", "--ulysses", "2", "--ring", "2"], TORCHRUN_ENV,
+     "--ulysses 2 x --ring 2 = 4 must equal the ranks per sequence group (3); valid: --ulysses 1 --ring 3"),
+    ("dit3d-tiny", ["--parallel", "usp", "--ring", "2"], TORCHRUN_ENV, "--ring 2 does not divide the 3 ranks"),
+    ("dit3d-tiny", ["--parallel", "usp", "--ulysses", "3"], TORCHRUN_ENV, "--ulysses 3 splits attention heads: 3 > 2"),
+    ("dit3d-tiny", ["--parallel", "ring", "--ring", "2"], {}, "--ring 2 applies to --parallel usp only"),
+    ("dit3d-tiny", ["--ulysses", "2"], {}, "--ulysses applies to parallel runs only"),
+    ("stdit-tiny", ["--parallel", "ring"], {}, "--parallel ring splits full-3D attention; STDiT has spatial/temporal"),
+    ("stdit-tiny", ["--parallel", "auto"], {}, "--parallel auto splits full-3D attention"),
 ])
 def test_bad_parallel_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, model, extra, env, message):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from parallel_helpers import random_model, reference, run_cases
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.models import build_model, preset
 from slidefusion.parallel import ParallelConfig, spawn
 from slidefusion.parallel.plan import SCHEDULES, plan_for
@@ -60,20 +60,43 @@ def cases(world):
             ("wan/dsp", "wan-5h", WAN, ParallelConfig("dsp", 1, timeout_s=60)),
             ("stock/wan", "wan-5h", WAN, None),
             ("vae/split", "vae", VAE, None), ("vae2d/frames", "vae2d", VAE2D, None)]
-    return out
+    return out + ring_cases(world)
+
+
+def ring_cases(world):
+    """Ring and Ulysses x Ring: not limited by heads (dit3d-tiny has 2), sliced into uneven and empty
+    chunks, with CFG-parallel, on Wan 2.1 / 2.2 TI2V and through WanPipeline's own loop; auto calibrates
+    itself on the run and must agree on every rank. usp --ulysses 2 is 2 x 1 (plain Ulysses) on 2
+    ranks, 2 x 2 on 4, and bad input on 3."""
+    def config(name, slices, **kw):
+        return ParallelConfig(name, slices, timeout_s=60, **kw)
+
+    return [("ring/dit3d/1", "dit3d-5h", SHAPE, config("ring", 1)), ("ring/dit3d/3", "dit3d-5h", SHAPE, config("ring", 3)),
+            ("ring/dit3d-2-heads", "dit3d-tiny", SHAPE, config("ring", 2)),
+            ("ring/tiny-grid/4", "dit3d-5h", TINY, config("ring", 4)),
+            ("usp/dit3d/2", "dit3d-5h", SHAPE, config("usp", 2, ulysses=2)),
+            ("usp/dit3d-2-heads", "dit3d-tiny", SHAPE, config("usp", 1, ulysses=2)),
+            ("cfg/ring/2", "dit3d-5h", SHAPE, config("ring", 2, cfg_parallel=True)),
+            ("auto/dit3d-2-heads", "dit3d-tiny", SHAPE, config("auto", None)),
+            ("wan/ring/2", "wan-5h", WAN, config("ring", 2)), ("wan/usp/3", "wan-5h", WAN, config("usp", 3, ulysses=2)),
+            ("wan2.2/ring/1", "wan2.2-5h", WAN22, config("ring", 1)),
+            ("wan/pipeline/ring/2", "wan-5h:pipeline", None, config("ring", 2)),
+            ("wan/cfg/auto", "wan-5h", WAN, config("auto", None, cfg_parallel=True))]
 
 
 def expected_error(name: str, world: int) -> str | None:
     if name == "dsp/dit3d":
-        return "valid for dit3d: ulysses"
+        return "valid for DiT3D: ulysses"
     if name == "wan/dsp":
-        return "WanTransformer3DModel (wan) attends over all tokens at once; valid for wan: ulysses"
+        return "WanTransformer3DModel attends over all tokens at once; valid for WanTransformer3DModel: ulysses"
     if name == "sliced/stdit":
         return "ulysses --slices 2 slices full-3D attention"
     if name == "ulysses/dit3d-2-heads" and world > 2:
-        return f"{world} ranks > 2 heads of dit3d"
+        return f"{world} ranks > 2 heads of DiT3D"
     if "cfg/" in name and world % 2:
         return "cfg_parallel needs an even number of ranks"
+    if name.startswith(("usp/", "wan/usp")) and world == 3:
+        return "--ulysses 2 does not divide the 3 ranks per sequence group"
     return None
 
 
@@ -104,7 +127,7 @@ def test_every_schedule_equals_one_process(world, references):
 
 
 def test_plan_rejects_what_cannot_run():
-    with pytest.raises(UserError, match="valid for dit3d: ulysses"):
+    with pytest.raises(UserError, match="valid for DiT3D: ulysses"):
         plan_for(random_model("dit3d-tiny"), SCHEDULES["scalefusion"])
     with pytest.raises(UserError, match="3 ranks > 2 heads"):
         plan_for(random_model("dit3d-tiny"), SCHEDULES["ulysses"], ranks=3)
@@ -112,16 +135,16 @@ def test_plan_rejects_what_cannot_run():
         ParallelConfig("scalefusion", 0)
     with pytest.raises(UserError, match="does not apply to the dsp schedule"):
         ParallelConfig("dsp", 4)
-    with pytest.raises(UserError, match="valid: dsp, ulysses, scalefusion, scalefusion-inter"):
-        ParallelConfig("ring")
-    supported = "supported: DiT3D, STDiT, WanTransformer3DModel, LatteTransformer3DModel"
+    with pytest.raises(UserError, match="valid: dsp, ulysses, scalefusion, scalefusion-inter, ring, usp, auto"):
+        ParallelConfig("ringg")
+    supported = "supported: DiT3D, STDiT, LatteTransformer3DModel, WanTransformer3DModel"
     with pytest.raises(UserError, match=f"model class Linear has no parallel plan; {supported}"):
         plan_for(torch.nn.Linear(2, 2), SCHEDULES["ulysses"])
     with pytest.raises(UserError, match=f"model class CogVideoXTransformer3DModel has no parallel plan; {supported}"):
         plan_for(tiny_model("cogvideox"), SCHEDULES["ulysses"])
-    with pytest.raises(UserError, match="valid for wan: ulysses"):
+    with pytest.raises(UserError, match="valid for WanTransformer3DModel: ulysses"):
         plan_for(tiny_model("wan"), SCHEDULES["scalefusion"])
-    with pytest.raises(UserError, match="3 ranks > 2 heads of wan"):
+    with pytest.raises(UserError, match="3 ranks > 2 heads of WanTransformer3DModel"):
         plan_for(tiny_model("wan"), SCHEDULES["ulysses"], ranks=3)
     slide = build_model(preset("dit3d-tiny", attention="slide", attention_options={"kernel_size": [1, 3, 3]}))
     with pytest.raises(UserError, match="cannot split SlideAttention3d by heads"):

@@ -5,7 +5,7 @@ import torch
 
 from slidefusion.parallel.layout import (FRAMES, POSITIONS, Split, chunk_shapes, local_slices, pack_chunk, shard,
                                          split_sizes, unpack_consumer_slice)
-from slidefusion.parallel.records import GRID, ROWS
+from slidefusion.families.records import GRID, ROWS
 from slidefusion.parallel.tokens import Tokens
 
 

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from slidefusion.errors import UserError
 from slidefusion.parallel import ParallelConfig
-from slidefusion.parallel.pretrained import PretrainedParts, Request, decode_video, generate_pretrained, sample_latents
+from slidefusion.parallel import decode_video
+from slidefusion.pipeline import generate_pretrained
+from slidefusion.pretrained import PretrainedParts, Request, sample_latents
 
 REQUEST = dict(frames=5, height=48, width=80, steps=2, guidance=4.0, seed=3)
 
@@ -31,9 +33,9 @@ def test_generate_pretrained_equals_one_process(tiny_wan_dir, tmp_path):
 
 
 @pytest.mark.parametrize("config, world, extra, message", [
-    (ParallelConfig("dsp"), 2, {}, "valid for wan: ulysses"),
-    (ParallelConfig("scalefusion", 2), 2, {}, "valid for wan: ulysses"),
-    (ParallelConfig("ulysses"), 3, {}, "3 ranks > 2 heads of wan"),
+    (ParallelConfig("dsp"), 2, {}, "valid for WanTransformer3DModel: ulysses"),
+    (ParallelConfig("scalefusion", 2), 2, {}, "valid for WanTransformer3DModel: ulysses"),
+    (ParallelConfig("ulysses"), 3, {}, "3 ranks > 2 heads of WanTransformer3DModel"),
     (ParallelConfig("ulysses", cfg_parallel=True), 3, {}, "cfg_parallel needs an even number of ranks"),
     (ParallelConfig("ulysses"), 2, {"frames": 6}, "frames=6 is not allowed by this VAE; valid: 1 + 4k"),
     (ParallelConfig("ulysses"), 2, {"height": 44}, "must be multiples of the VAE's 8-pixel latent cell"),
@@ -54,7 +56,7 @@ def test_a_model_without_a_plan_names_the_supported_ones(tmp_path):
     from slidefusion.pretrained import build_on_meta
 
     with pytest.raises(UserError, match="CogVideoXTransformer3DModel has no parallel plan; supported: DiT3D, STDiT, "
-                                        "WanTransformer3DModel, LatteTransformer3DModel"):
+                                        "LatteTransformer3DModel, WanTransformer3DModel"):
         check_fit(build_on_meta(folder), ParallelConfig("ulysses"), 2)
 
 
@@ -89,4 +91,4 @@ def test_torchrun_on_a_folder_equals_one_process(tiny_wan_dir, tmp_path):
     assert (tmp_path / "v.gif").stat().st_size > 0 and "exposed communication" in result.stdout
     bad = _torchrun(tiny_wan_dir, tmp_path / "bad", "dsp", 1)  # before any process group: rank 0 says it, once
     assert bad.returncode != 0 and bad.stderr.count("slidefusion generate: error:") == 1
-    assert "valid for wan: ulysses" in bad.stderr and not (tmp_path / "bad").exists()
+    assert "valid for WanTransformer3DModel: ulysses" in bad.stderr and not (tmp_path / "bad").exists()

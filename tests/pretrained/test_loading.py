@@ -176,7 +176,7 @@ def test_resident_loading_peaks_within_1_2x_the_weights(wan_100mb, dtype):
 
 _MEASURE_ENGINE = textwrap.dedent("""
     import gc, json, sys, torch
-    from slidefusion.adapters import adapter_for
+    from slidefusion.families import adapter_for
     from slidefusion.offload import OffloadEngine, OffloadPolicy
     from slidefusion.pretrained import build_on_meta, iter_weights, open_folder
     from slidefusion.testing.rss import reset_peak_rss, status_kib as kb
@@ -286,7 +286,7 @@ def _break(kind, tiny_wan_dir, tiny_wan_sharded_dir, tmp_path):
     ("not a directory", "is not a directory; valid: a diffusers pipeline folder"),
     ("not diffusers", "is not a diffusers model folder"),
     ("no _class_name", "config.json has no _class_name"),
-    ("unsupported class", "'FluxTransformer2DModel' is not supported; supported: WanTransformer3DModel, "),
+    ("unsupported class", "'FluxTransformer2DModel' is not supported; supported: CogVideoXTransformer3DModel, "),
     ("missing shard", r"missing weights shard diffusion_pytorch_model-00002-of-\d+.safetensors"),
     ("mismatched index", "shard index mismatch in .*proj_out.weight"),
     ("truncated shard", "is not a valid safetensors file"),

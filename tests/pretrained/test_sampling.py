@@ -2,6 +2,8 @@
 diffusers pipeline, for all six families: the same seed gives the same initial noise, prompt states,
 timesteps, guidance, latents and decoded frames."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,19 +28,27 @@ def _pipeline_output(parts, folder, family, output_type, steps, guidance, seed):
     if family == "cogvideox":  # its latents are frames first
         return out.transpose(1, 2)
     if family == "ltx":  # its latents are packed tokens
-        from slidefusion.adapters.families import unpack_tokens
+        from slidefusion.families.ltx import unpack_tokens
 
         return unpack_tokens(out, (2, height // 4, width // 4), (1, 1, 1))
     return out
 
 
+@pytest.mark.parametrize("loop", ["family pipeline", "generic loop"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampling_equals_the_family_pipeline(tiny_pipeline_dir, family):
+def test_sampling_equals_the_family_pipeline(tiny_pipeline_dir, family, loop, monkeypatch):
+    """Both loops: the family's own pipeline (what sampling runs where it can) and the generic loop
+    (what runs where the pipeline cannot take the call, e.g. under CFG-parallel)."""
     folder = tiny_pipeline_dir(family)
     parts = PretrainedParts.load(folder)
     frames, height, width = PIXELS[family]
     request = Request(PROMPT, frames=frames, height=height, width=width, steps=2, guidance=4.0, seed=3)
+    calls, pipeline_call = [], type(parts.pipeline()).__call__
+    monkeypatch.setattr(type(parts.pipeline()), "__call__", lambda *a, **k: calls.append(1) or pipeline_call(*a, **k))
+    if loop == "generic loop":
+        parts.adapter = dataclasses.replace(parts.adapter, sample=None)
     latents = sample_latents(parts, request)
+    assert len(calls) == (loop == "family pipeline")
     reference = _pipeline_output(parts, folder, family, "latent", 2, 4.0, 3)
     assert latents.shape == reference.shape and latents.abs().max() > 0.5
     assert (latents - reference).abs().max() <= 1e-5 * reference.abs().max()

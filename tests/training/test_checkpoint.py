@@ -3,7 +3,8 @@ import torch
 
 from slidefusion.errors import UserError
 from slidefusion.models import build_model, preset
-from slidefusion.training.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint, load_matching, save_checkpoint
+from slidefusion.io.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint
+from slidefusion.training import load_matching
 
 
 def test_save_load_round_trip_and_pruning(tmp_path):
@@ -19,7 +20,7 @@ def test_save_load_round_trip_and_pruning(tmp_path):
 
 
 def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
-    import slidefusion.training.checkpoint as module
+    import slidefusion.io.checkpoint as module
 
     model = build_model(preset("dit3d-tiny"))
 
@@ -54,7 +55,7 @@ def test_load_matching_lists_what_did_not_fit():
 
 
 def test_export_keeps_the_sampling_weights_in_half_precision(tmp_path):
-    from slidefusion.training.checkpoint import export_checkpoint
+    from slidefusion.io.checkpoint import export_checkpoint
 
     model = build_model(preset("dit3d-tiny"))
     ema = {k: v + 1 for k, v in model.state_dict().items()}

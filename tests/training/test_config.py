@@ -28,7 +28,7 @@ def test_yaml_preset_and_dotted_overrides(tmp_path):
     ("run.steps=abc", r"run.steps='abc' must be a int"),
     ("run.steps=0", r"run.steps=0 must be >= 1"),
     ("data.kind=webdataset", r"data.kind='webdataset' is unknown; valid: shapes, folder"),
-    ("model.preset=huge", r"model preset 'huge' is unknown"),
+    ("model.preset=huge", r"model.preset='huge' is unknown"),
     ("optim.betas=0.9", r"optim.betas=0.9 must be a list"),
     ("just-a-word", r"must look like section.key=value"),
 ])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slidefusion.training.checkpoint import TEMPORARY, checkpoint_steps
+from slidefusion.io.checkpoint import TEMPORARY, checkpoint_steps
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24

@@ -67,7 +67,7 @@ def test_wan_fine_tunes_offloaded_as_resident_and_caches_once(tiny_pipeline_dir,
     _close(offloaded[1], resident[1], base)
     assert resident[1].keys() == base.keys() and any(not torch.equal(resident[1][k], base[k]) for k in base)
     cache = tmp_path / "resident" / "cache"
-    latents, texts = sorted((cache / "latents").iterdir()), sorted((cache / "text").iterdir())
+    latents, texts = sorted((cache / "latents").rglob("*.safetensors")), sorted((cache / "text").iterdir())
     assert len(latents) == 3 and len(texts) == 4  # 3 clips, their 3 captions and ""
     stamps = {p: p.stat().st_mtime_ns for p in [*latents, *texts]}
     _run(folder, "wan", tmp_path, "again", f"data.cache_dir={cache}")  # another run reads the same cache
@@ -179,8 +179,8 @@ def test_bf16_offloaded_tracks_resident_under_autocast(tiny_pipeline_dir, tmp_pa
 
 
 def test_an_offload_plan_that_does_not_fit_is_refused_before_any_cache(tiny_pipeline_dir, tmp_path, monkeypatch, capsys):
-    import slidefusion.offload.training as seam
-    from slidefusion.errors import UserError
+    import slidefusion.offload.plan.resolve as seam
+    from slidefusion.core.errors import UserError
 
     def refuse(plan):
         raise UserError("does not fit: host needs 215 GB but has 128 GB")

@@ -85,7 +85,7 @@ def test_lora_export_loads_with_load_lora_weights(tiny_pipeline_dir, tmp_path):
 
 def test_export_refuses_what_it_cannot_write(tiny_pipeline_dir, tmp_path, capsys):
     from slidefusion.models import build_model, preset
-    from slidefusion.training.checkpoint import save_checkpoint
+    from slidefusion.io.checkpoint import save_checkpoint
 
     ours = save_checkpoint(tmp_path / "ours", 1, {"model": {"preset": "dit3d-tiny"}},
                            build_model(preset("dit3d-tiny")).state_dict())

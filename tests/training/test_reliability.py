@@ -9,7 +9,7 @@ import torch
 from slidefusion.cli import main
 from slidefusion.errors import NonFiniteError, UserError
 from slidefusion.training import Trainer, load_config
-from slidefusion.training.checkpoint import checkpoint_steps, load_checkpoint
+from slidefusion.io.checkpoint import checkpoint_steps, load_checkpoint
 from slidefusion.training.run_folder import RunLock, remove_stale_temporaries, truncate_metrics
 from slidefusion.training.trainer import ResidentOptimizer
 

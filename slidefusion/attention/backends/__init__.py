@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError, unknown_value
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def triton_available() -> bool:
 def choose(backend: str, device: torch.device) -> str:
     """The backend that runs for tensors on `device`: `backend` itself, or what "auto" stands for there."""
     if backend not in BACKENDS:
-        raise UserError(f"backend={backend!r} is unknown; valid: {', '.join(BACKENDS)}")
+        raise unknown_value("backend", backend, BACKENDS)
     if backend == "auto":
         if device.type == "cuda" and _HAS_TRITON:
             return "triton"

@@ -26,9 +26,10 @@ def slide_forward(
 ) -> tuple[Tensor, Tensor]:
     """(out (B, T, H, W, heads, D), lse (B, T, H, W, heads)) from kernel `backend`.
 
-    Non-finite offsets: the CPU kernels raise UserError (they notice while they read them, at no
-    cost; a separate isfinite pass over per-sample offsets took a third of the forward); on CUDA
-    the queries concerned get NaN outputs, as NaN inputs do in any torch op (no sync to check).
+    Non-finite offsets, as in the reference: a NaN offset gives its query-head NaN outputs, as NaN
+    inputs give in any torch op (a model with a NaN weight propagates NaN, as the stock model does),
+    and an infinite one puts its point on the grid's edge (tiled and cpp are tested for both, triton
+    for NaN). Finiteness is checked where input enters (configs, files, the CLI), not here.
     """
     out, lse = backends.kernel_module(backend).forward(q, k, v, offsets, tuple(kernel_size), scale)
     return out, lse.to(backends.lse_dtype(q.dtype))

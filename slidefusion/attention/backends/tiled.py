@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slidefusion.errors import UserError
 
 Triple = tuple[int, int, int]
 
@@ -314,9 +313,19 @@ def _extend(offsets: torch.Tensor | None) -> Triple:
     if offsets is None:
         return (0, 0, 0)
     reach = offsets.detach().abs().amax(dim=(0, 1, 2, 3, 4, 5))  # (3,)
-    if not torch.isfinite(reach).all():
-        raise UserError("offsets must be finite; got inf or nan")
     return tuple(int(r) + 1 for r in reach.floor().tolist())
+
+
+def _finite(offsets: torch.Tensor | None, grid: Triple) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(offsets the plan can use, the query-heads (B, T, H, W, heads) that hold a NaN offset or None).
+    As in the reference: those query-heads get NaN outputs (as a NaN input gives in any torch op),
+    and an infinite offset puts its point on the grid's edge (one grid length away is as far: the
+    clamp holds it there). One reduction when every offset is finite."""
+    if offsets is None or bool(torch.isfinite(offsets.detach().abs().amax())):
+        return offsets, None
+    nan = torch.isnan(offsets).any(dim=-1).any(dim=-1)
+    edge = float(max(grid))
+    return offsets.nan_to_num(0.0, edge, -edge), (nan if bool(nan.any()) else None)
 
 
 class _Context:
@@ -353,8 +362,10 @@ class _Context:
 
 
 def forward(q, k, v, offsets, kernel: Triple, scale: float, tile: Triple | None = None):
-    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); inputs normalised by the dispatch layer."""
+    """out (B, T, H, W, heads, D) and lse (B, T, H, W, heads); inputs normalised by the dispatch layer.
+    A query-head with a NaN offset gets NaN out and lse (`_finite`)."""
     B, T, H, W, heads, D = q.shape
+    offsets, nonfinite = _finite(offsets, (T, H, W))
     ctx = _Context(q, kernel, offsets, tile)
     plan = ctx.plan
     Qt_all = to_tiles(q, plan) * scale  # (B, heads, nt, nh, nw, Qt, D)
@@ -371,15 +382,20 @@ def forward(q, k, v, offsets, kernel: Triple, scale: float, tile: Triple | None 
         else:
             o, m = slide_chunk_forward(Q, Kh, Vh, sample_points(offsets, plan, t0, t1, h0, h1, q.dtype), plan)
         out[:, :, t0:t1, h0:h1], lse[:, :, t0:t1, h0:h1] = o, m
-    return from_tiles(out, plan), from_tiles(lse[..., None], plan)[..., 0]
+    out, lse = from_tiles(out, plan), from_tiles(lse[..., None], plan)[..., 0]
+    if nonfinite is not None:
+        out, lse = out.masked_fill(nonfinite[..., None], float("nan")), lse.masked_fill(nonfinite, float("nan"))
+    return out, lse
 
 
 def backward(q, k, v, offsets, lse, delta, grad_out, kernel: Triple, scale: float, tile: Triple | None = None):
     """(dq, dk, dv, doffsets) from the saved lse and delta = rowsum(dout * out) - dlse, both (B, T, H, W, heads).
 
-    doffsets is an empty tensor without offsets.
+    doffsets is an empty tensor without offsets. A query-head with a NaN offset has a NaN lse from
+    the forward, which carries NaN into the gradients.
     """
     B, T, H, W, heads, D = q.shape
+    offsets = _finite(offsets, (T, H, W))[0]
     ctx = _Context(q, kernel, offsets, tile)
     plan = ctx.plan
     Qt_all = to_tiles(q, plan) * scale

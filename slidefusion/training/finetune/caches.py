@@ -4,12 +4,17 @@ As in musubi-tuner, every clip's latents and every caption's text states are one
 named by a hash of what determines them, so a cache is reused by any run that would compute the
 same tensors and never by one that would not:
 
-    CACHE/latents/<sha>.safetensors   "latents" (C, T, H, W) float32; key: the clip (dataset kind,
-                                      file and its size and mtime or the procedural seed and index,
-                                      frames, height, width, stride) and the VAE (its files)
+    CACHE/latents/FxHxW/<sha>.safetensors
+                                      "latents" (C, T, H, W) float32, one folder per bucket (F x H x W
+                                      pixels); key: the clip (file, its size and mtime, its frames,
+                                      bucket and resize, or the procedural seed and index) and the VAE
     CACHE/text/<sha>.safetensors      "states" (L, D) float32, "mask" (L,) uint8 (families that take
                                       one), "pooled" (P,) (HunyuanVideo); key: the caption and the
                                       text encoders and tokenizers (their files)
+    CACHE/image/<sha>.safetensors     image-to-video folders: the clip's first frame as the condition,
+                                      "video" (C_v, T, H, W) and, for Wan 2.1 I2V, "states" (L, D)
+                                      (`slidefusion.pretrained.image`); key: the clip, the VAE and the
+                                      image encoder (their files), the mode
 
 Each file is written to a temporary name and renamed into place. Wan's states end in zeros (its
 pipeline zero-pads to 512 tokens), so only the rows up to the last non-zero one are stored and the
@@ -19,9 +24,12 @@ Latents are the VAE posterior's mean (deterministic: the cache does not depend o
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -31,8 +39,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from slidefusion.adapters import TextConditioning
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
+from slidefusion.families import TextConditioning
+from slidefusion.io.diskfull import writing
+from slidefusion.io.partial import remove_abandoned_files
 
 FORMAT = "slidefusion.finetune_cache/1"
 
@@ -53,7 +63,10 @@ def component_identity(folder, names: list[str]) -> dict:
 
 
 def clip_identity(data, dataset, index: int) -> dict:
-    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE."""
+    """What determines clip `index` of a `DataConfig`'s dataset, before the VAE (a scanned `ClipSet`
+    says it itself: file, frames, bucket, resize)."""
+    if hasattr(dataset, "identity"):
+        return dataset.identity(index)
     record = {"kind": data.kind, "index": index, "frames": data.frames, "height": data.height, "width": data.width}
     if data.kind == "shapes":
         record.update(seed=data.seed, max_objects=data.max_objects)
@@ -64,16 +77,29 @@ def clip_identity(data, dataset, index: int) -> dict:
     return record
 
 
+TEMPORARY = re.compile(r"^\.[0-9a-f]{32}\.safetensors\.[a-z0-9_]+\.tmp$")  # what `_write` names its temporaries
+
+
+def _bucket_folder(data, dataset, index: int) -> str:
+    """The latents' subfolder: one per bucket (frames x height x width in pixels)."""
+    bucket = dataset.buckets[index] if hasattr(dataset, "buckets") else None
+    return str(bucket) if bucket is not None else f"{data.frames}x{data.height}x{data.width}"
+
+
 def _write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Write to a locked temporary, then rename: a kill leaves only a temporary no reader opens,
+    and the next `fill` removes it once its lock is free (`slidefusion.io.partial`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    finally:
+        os.close(fd)
 
 
 def _read(path: Path) -> dict[str, Tensor]:
@@ -90,13 +116,23 @@ class FinetuneCache:
     `vae_id` / `text_id` identify the VAE and the text encoders (`component_identity`); `spec` is
     the adapter's `TextSpec` (its max_length and padding say how a batch pads states)."""
 
-    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec):
+    def __init__(self, root: Path, data, dataset, vae_id: dict, text_id: dict, spec, image: tuple | None = None):
+        """`image`: (mode, image encoder identity, latent shape (C, T, H, W)) of an image-to-video folder."""
         self.root, self.data, self.dataset, self.spec = Path(root), data, dataset, spec
         self.vae_id, self.text_id = _digest(vae_id), _digest(text_id)
+        self.image_mode, self.image_id, self.latent_shape = (None, None, None) if image is None else \
+            (image[0], _digest({"mode": image[0], "encoder": image[1], "vae": vae_id}), tuple(image[2]))
+        self.written: list[Path] = []  # by this process, so that a run stopped by bad input can take them back
+        self._folders = [p for p in (self.root / "latents", self.root / "text", self.root / "image", self.root)
+                         if not p.exists()]
+
+    def image_path(self, index: int) -> Path:
+        key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "image": self.image_id})
+        return self.root / "image" / f"{key}.safetensors"
 
     def latent_path(self, index: int) -> Path:
         key = _digest({"format": FORMAT, "clip": clip_identity(self.data, self.dataset, index), "vae": self.vae_id})
-        return self.root / "latents" / f"{key}.safetensors"
+        return self.root / "latents" / _bucket_folder(self.data, self.dataset, index) / f"{key}.safetensors"
 
     def text_path(self, caption: str) -> Path:
         key = _digest({"format": FORMAT, "caption": caption, "text": self.text_id})
@@ -104,7 +140,8 @@ class FinetuneCache:
 
     def missing(self, captions: list[str]) -> tuple[list[int], list[str]]:
         """Clip indices and captions that have no cache file yet."""
-        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()]
+        clips = [i for i in range(len(self.dataset)) if not self.latent_path(i).is_file()
+                 or (self.image_mode is not None and not self.image_path(i).is_file())]
         return clips, [c for c in dict.fromkeys(captions) if not self.text_path(c).is_file()]
 
     def fill(self, parts, device, quiet: bool, captions: list[str]) -> int:
@@ -113,16 +150,87 @@ class FinetuneCache:
         from slidefusion.pretrained import encode_prompts
         from slidefusion.vae import DiffusersVideoAutoencoder
 
+        latents = self.root / "latents"
+        buckets = sorted(p for p in latents.iterdir() if p.is_dir()) if latents.is_dir() else []
+        for folder in (latents, *buckets, self.root / "text", self.root / "image"):  # each bucket's latents have their own folder
+            remove_abandoned_files(folder, TEMPORARY)  # what a killed fill left; never a live writer's
         clips, texts = self.missing(captions)
         if clips:
             vae = DiffusersVideoAutoencoder(parts.vae).to(device)
-            for i in tqdm(clips, desc="caching latents", disable=quiet, leave=False):
-                video = self.dataset[i]["video"][None].to(device)  # (1, 3, T, H, W)
-                _write(self.latent_path(i), {"latents": vae.encode(video)[0].float()}, {"format": FORMAT})
-        for caption in tqdm(texts, desc="caching text", disable=quiet, leave=False):
+            if parts.image_encoder is not None:
+                parts.image_encoder.to(device)
+            for n, (i, video) in enumerate(tqdm(self._videos(clips), total=len(clips), desc="caching latents",
+                                                disable=quiet, leave=False)):
+                video = video.to(device)  # (3, T, H, W)
+                latents = vae.encode(video[None])[0].float()  # (1, 3, T, H, W) -> (C, T', H', W')
+                self._put(self.latent_path(i), {"latents": latents}, {"format": FORMAT}, len(clips) - n, "latents")
+                if self.image_mode is not None:
+                    self._put(self.image_path(i), self._image_tensors(parts, video), {"format": FORMAT},
+                              len(clips) - n, "image condition")
+        for n, caption in enumerate(tqdm(texts, desc="caching text", disable=quiet, leave=False)):
             text = encode_prompts(parts, [caption])
-            _write(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption})
+            self._put(self.text_path(caption), self._text_tensors(text), {"format": FORMAT, "caption": caption},
+                      len(texts) - n, "text states")
         return len(clips) + len(texts)
+
+    def _put(self, path: Path, tensors: dict[str, Tensor], metadata: dict, left: int, what: str) -> None:
+        """Write one cache file; a full disk says how much the `left` files of its kind need."""
+        needed = left * sum(t.numel() * t.element_size() for t in tensors.values())
+        if not path.parent.exists():  # a bucket's folder: made here, so taken back with the files
+            self._folders.insert(0, path.parent)
+        with writing(f"the {what} cache ({left} files to go)", self.root, needed,
+                     "the cache files written so far are complete, and the next run reuses them"):
+            _write(path, tensors, metadata)
+        self.written.append(path)
+
+    def discard_written(self) -> None:
+        """Delete the files this process wrote, and the cache folders they leave empty."""
+        for path in self.written:
+            path.unlink(missing_ok=True)
+        for folder in self._folders:  # the ones this process made
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                pass
+        self.written = []
+
+    def _videos(self, indices: list[int]):
+        """(index, video (3, T, H, W)) of each clip; a scanned dataset decodes each file once."""
+        if hasattr(self.dataset, "load"):
+            yield from self.dataset.load(indices)
+        else:
+            for i in indices:
+                yield i, self.dataset[i]["video"]
+
+    def _image_tensors(self, parts, video: Tensor) -> dict[str, Tensor]:
+        """The condition of a clip (3, T, H, W) in [-1, 1]: its first frame, as an 8-bit image (what a
+        user gives `generate --image`), through the folder's image-to-video pipeline."""
+        from PIL import Image
+
+        from slidefusion.pretrained.image import image_condition
+
+        pixels = ((video[:, 0].float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
+        zeros = torch.zeros(1, *self.latent_shape)
+        states, condition = image_condition(parts, Image.fromarray(pixels.numpy()), zeros, self.data.frames,
+                                            self.data.height, self.data.width)
+        tensors = {"video": condition[0].float()}
+        if states is not None:
+            tensors["states"] = states[0].float()
+        return tensors
+
+    def with_image(self, text: TextConditioning, indices: list[int], dropout: float, generator: torch.Generator,
+                   device) -> TextConditioning:
+        """`text` with the batch's image condition from the cache (CLIP states (B, L, D) or None, latents
+        (B, C_v, T, H, W)) on `device`; with probability `dropout` (diffusion.image_dropout) the step
+        trains without it: zeros for Wan 2.1 I2V ("channels"), a text-to-video step for 2.2 TI2V."""
+        rows = [_read(self.image_path(i)) for i in indices]
+        states = torch.stack([r["states"] for r in rows]) if "states" in rows[0] else None
+        video = torch.stack([r["video"] for r in rows])
+        if bool(torch.rand((), generator=generator) < dropout):
+            if self.image_mode == "first-frame":
+                return text
+            states, video = None if states is None else torch.zeros_like(states), torch.zeros_like(video)
+        return dataclasses.replace(text, image=None if states is None else states.to(device), video=video.to(device))
 
     def _text_tensors(self, text: TextConditioning) -> dict[str, Tensor]:
         states = text.states[0]

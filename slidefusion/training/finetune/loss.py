@@ -23,9 +23,10 @@ import math
 import torch
 from torch import Tensor
 
-from slidefusion.adapters import ModelAdapter, TextConditioning
+from slidefusion.families import ModelAdapter, TextConditioning
 from slidefusion.diffusion.flow import FlowConfig, sample_timesteps
-from slidefusion.errors import check
+from slidefusion.core.errors import check
+from slidefusion.diffusion.rows import Rows, local_rows
 
 
 class FolderObjective:
@@ -69,19 +70,48 @@ class FolderObjective:
             sigma = low + (high - low) * sigma
         return sigma.float()
 
+    def fixed_t(self, count: int, tokens: int) -> Tensor:
+        """`count` fixed timesteps (count,): the training distribution's quantiles (k + 0.5) / count
+        (flow sigmas float32, or DDPM indices int64), for a held-out loss that moves only with the weights."""
+        u = (torch.arange(count, dtype=torch.float64) + 0.5) / count
+        if self.objective.kind != "flow":
+            return (u * self.train_steps).long()
+        raw = torch.sigmoid(self.flow.logit_mean + self.flow.logit_std * torch.special.ndtri(u))
+        sigma = self.shift(raw, tokens)
+        if self.sigma_range is not None:
+            low, high = self.sigma_range
+            sigma = low + (high - low) * sigma
+        return sigma.float()
+
+    def draw(self, shape: tuple[int, ...], tokens: int, generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+        """(t (B,), noise (B, C, T, H, W) float32) for latents of `shape`, sample i from `generators[i]`
+        alone (its timestep, then its noise), on the CPU."""
+        t = torch.cat([self.sample_t(1, tokens, g) for g in generators])
+        noise = torch.stack([torch.randn(tuple(shape[1:]), generator=g) for g in generators])
+        return t, noise
+
     # ------------------------------------------------------------------ the loss
-    def loss(self, model, x0: Tensor, text: TextConditioning, generator: torch.Generator) -> Tensor:
+    def loss(self, model, x0: Tensor, text: TextConditioning, generator: torch.Generator, rows: Rows | None = None) -> Tensor:
         """The mean loss of one batch of clean latents x0 (B, C, T, H, W); noise and timesteps from
-        `generator` (on the CPU, so a step's randomness depends on the seed alone)."""
-        tokens = self.adapter.tokens(model, x0.shape)
-        t = self.sample_t(x0.shape[0], tokens, generator)
-        noise = torch.randn(x0.shape, generator=generator).to(x0)
+        `generator` (on the CPU, so a step's randomness depends on the seed alone); `rows`: x0 holds
+        these rows of a larger batch, whose timesteps and noise are drawn whole and cut."""
+        tokens, rows = self.adapter.tokens(model, x0.shape), local_rows(rows, x0.shape[0])
+        t = rows.take(self.sample_t(rows.total, tokens, generator))
+        noise = rows.take(torch.randn((rows.total, *x0.shape[1:]), generator=generator))
+        return self.loss_at(model, x0, text, t, noise)
+
+    def loss_at(self, model, x0: Tensor, text: TextConditioning, t: Tensor, noise: Tensor) -> Tensor:
+        """The mean loss of clean latents x0 (B, C, T, H, W) at timesteps `t` (B,) with `noise` (x0's shape)."""
+        noise = noise.to(x0)
         acp = None if self.objective.kind == "flow" else self.alphas_cumprod.float()
         x_t = self.objective.noisy(x0, noise, t.to(x0.device), acp)
         out = self.adapter.raw_output(model, x_t, self.objective.model_timesteps(t).to(x0.device), text).float()
         channels = x0.shape[1]
         prediction = out[:, :channels]
         target = self.objective.target(x0, noise, t.to(x0.device), acp).float()
+        if text.video is not None and self.adapter.options.get("expand_timesteps"):
+            # Wan 2.2 TI2V's image mode: the first latent frame is given (the image's), not predicted
+            prediction, target = prediction[:, :, 1:], target[:, :, 1:]
         loss = torch.mean((prediction - target) ** 2)
         if self.objective.learned_sigma and out.shape[1] == 2 * channels:
             loss = loss + self.variational_bound(prediction.detach(), out[:, channels:], x0, x_t, t).mean()

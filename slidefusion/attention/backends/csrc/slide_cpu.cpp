@@ -26,11 +26,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -39,10 +39,11 @@
 #include <unistd.h>
 #endif
 
-// Without -march=native (the build is cached and may be shared between machines), the hot loops are
-// compiled several times, for AVX-512, AVX2+FMA and baseline x86-64, and the loader picks the best
-// the CPU has (GCC's target_clones). Everything they call is forced inline (no lambdas, which GCC
-// would compile once, for the baseline) so it is compiled for that target too.
+// The library is compiled for the CPU that builds it (-march=native; the build's cache name includes
+// the CPU, see slidefusion/core/native.py). The hot loops are also compiled for AVX-512, AVX2+FMA and
+// baseline x86-64, and the loader picks the best the CPU has (GCC's target_clones). Everything they
+// call is forced inline (no lambdas, which GCC would compile once, for the default) so it is compiled
+// for that target too.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SLIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define SLIDE_INLINE inline __attribute__((always_inline))
@@ -104,7 +105,7 @@ struct Samples {
   std::vector<T> weight[8];       // (K,) trilinear weight of each corner
   int32_t corner[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t n_cells = 0, size = 0;  // cells, U
-  int32_t non_finite = 0;         // some offset was inf or nan
+  int32_t non_finite = 0;         // some offset was nan
 
   explicit Samples(const Geometry& g)
       : box_rows(8 * g.K), rows(8 * g.K), cells(8 * g.K), touched(8 * g.K), base(g.K) {
@@ -147,9 +148,9 @@ SLIDE_INLINE void offset_axis(const Geometry& g, const Slots& slots, int a, int6
 #pragma omp simd reduction(min : mn) reduction(max : mx) reduction(| : bad)
   for (int64_t s = 0; s < g.K; ++s) {
     const T raw = first + T(slot[s]) + (SHARED ? T(0) : off[step * s + a]);
-    const bool finite = raw - raw == T(0);  // false for inf and nan
-    bad |= !finite;
-    const T pos = finite ? raw : T(0);  // keeps the indices in the grid; the call then fails
+    const bool nan = raw != raw;  // an infinite point is clamped to the grid's edge below, as in the reference
+    bad |= nan;
+    const T pos = nan ? T(0) : raw;  // keeps the indices in the grid; the row's output is then NaN
     // The reference clamps with clamp(min=0) then minimum(., L-1): the gradient passes on
     // [0, L-1); at L-1 it is zero (the minimum's tie, whose corners are one token).
     gate[s] = (pos >= T(0)) & (pos < top);
@@ -420,19 +421,28 @@ struct Cursor {
   SLIDE_INLINE int64_t plane_base(const Geometry& g) const { return b * g.tokens() * g.row() + head * g.D; }
 };
 
-// Returns whether some offset was not finite (such points are read at 0, and the call fails).
+// A query-head with a NaN offset gets NaN out and lse, as the reference gives and as a NaN input
+// gives in any torch op (its points are read at 0 meanwhile, keeping every read inside the grid);
+// the backward carries the NaN on through lse. Returns how many such query-heads it saw.
 template <bool OFF, int DC, typename T>
 SLIDE_INLINE int32_t forward_range(const Geometry& g, const Slots& slots, const Ptrs<T>& x, int64_t begin, int64_t end) {
   Samples<T> S(g);
   Work<T> Wk(g);
   Cursor at(g, begin);
+  int32_t non_finite = 0;
   for (int64_t r = begin; r < end; ++r, at.next(g)) {
     const int64_t qh = at.qh(g), row = qh * g.D, base = at.plane_base(g);
+    S.non_finite = 0;
     if (OFF) offset_samples(g, slots, at.t, at.h, at.w, x.off + qh * g.Ko * 3, S);
     else window_samples(g, at.t, at.h, at.w, S);
     forward_one<OFF, DC>(g, S, Wk, x.q + row, x.k + base, x.v + base, x.out_w + row, x.lse_w + qh);
+    if (OFF && S.non_finite) {
+      std::fill(x.out_w + row, x.out_w + row + g.D, std::numeric_limits<T>::quiet_NaN());
+      x.lse_w[qh] = std::numeric_limits<T>::quiet_NaN();
+      ++non_finite;
+    }
   }
-  return S.non_finite;
+  return non_finite;
 }
 
 // dk, dv: the gradient buffers this range adds into.
@@ -509,12 +519,7 @@ bool planes_per_thread(const Geometry& g, int64_t threads) {
 template <typename T>
 void run_forward(const Geometry& g, const Ptrs<T>& x) {
   const Slots sl(g);
-  std::atomic<int32_t> non_finite{0};
-  at::parallel_for(0, g.planes() * g.tokens(), GRAIN, [&](int64_t b, int64_t e) {
-    if (forward_rows(g, sl, x, b, e)) non_finite = 1;
-  });
-  // ValueError in Python; cpp.py turns it into the one-line UserError.
-  TORCH_CHECK_VALUE(!non_finite, "offsets must be finite; got inf or nan");
+  at::parallel_for(0, g.planes() * g.tokens(), GRAIN, [&](int64_t b, int64_t e) { forward_rows(g, sl, x, b, e); });
 }
 
 template <typename T>
@@ -539,9 +544,9 @@ void run_backward(const Geometry& g, const Ptrs<T>& x, torch::Tensor& dk, torch:
 }
 
 // Fresh output buffers are first touched here, one page fault per 4 KiB (the per-sample offsets'
-// gradient is 115 MB at 16x32x32, 3x7x7, 4 heads: ~20 ms of faults). Asking for transparent huge
-// pages on the large ones makes that ~500 times fewer faults; it is only a hint, harmless where
-// THP is off.
+// gradient holds heads x K x 3 values per token: hundreds of MB for a mid-sized clip). Asking for
+// transparent huge pages (2 MiB) on the large ones makes 512 times fewer faults; it is only a hint,
+// harmless where THP is off.
 torch::Tensor huge_pages(torch::Tensor t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

@@ -1,6 +1,9 @@
 """Reading the docs for tests/docs: runnable blocks, the `slidefusion ...` commands written in them,
 and the flags the CLI's parser knows.
 
+Config keys are read the same way: every `section.key=VALUE` word after `slidefusion train` or
+`slidefusion cache`, and every key of a ```yaml block whose top-level keys are config sections.
+
 A runnable block is a fenced code block (```bash or ```python) whose fence line directly follows a
 line that is exactly `<!-- runnable -->`. Commands are read from every fenced block and every
 inline code span: a `slidefusion COMMAND ...` (or `-m slidefusion COMMAND ...`) with its
@@ -150,3 +153,61 @@ def subparsers() -> dict[str, set[str]]:
 
     walk(build(), "")
     return found
+
+
+def config_words(text: str) -> list[str]:
+    """The dotted keys of the `section.key=VALUE` words of the first `slidefusion train|cache ...`
+    in `text` (the part before '=')."""
+    tokens = _tokens(text)
+    for i, token in enumerate(tokens):
+        if token.rsplit("/", 1)[-1] == "slidefusion" and i + 1 < len(tokens) and tokens[i + 1] in ("train", "cache"):
+            break
+    else:
+        return []
+    keys = []
+    for arg in tokens[i + 2:]:
+        if arg in SHELL_BREAKS:
+            break
+        found = re.fullmatch(r"([A-Za-z_]\w*(?:\.\w+)+)=.*", arg, flags=re.S)
+        if found:
+            keys.append(found.group(1))
+    return keys
+
+
+def yaml_blocks(path: Path) -> list[tuple[str, str]]:
+    """(where, text) of every ```yaml block."""
+    where = path.relative_to(ROOT).as_posix()
+    return [(f"{where}:{line}", "\n".join(body)) for line, language, body, _ in _fenced(path) if language == "yaml"]
+
+
+def train_config_keys() -> dict[str, set[str] | None]:
+    """Each config section's keys (None for a top-level key that is not a section), read from the
+    config classes; `model` has the keys of both of its forms (our models, a diffusers folder)."""
+    import dataclasses
+    import typing
+
+    from slidefusion.io.config import config_keys
+    from slidefusion.training.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    sections: dict[str, set[str] | None] = {}
+    for name in config_keys(TrainConfig):
+        classes = [t for t in typing.get_args(hints[name]) or (hints[name],) if dataclasses.is_dataclass(t)]
+        sections[name] = {key for cls in classes for key in config_keys(cls)} if classes else None
+    return sections
+
+
+def unknown_config_key(key: str, sections: dict[str, set[str] | None]) -> str | None:
+    """Why the dotted `key` names no config key (None when it does). `train.parallel.KEY` is the alias
+    of `parallel.KEY`; deeper parts (model.attention_options.grid) are the value's own."""
+    parts = key.split(".")
+    if parts[:2] == ["train", "parallel"]:
+        parts = parts[1:]
+    if parts[0] not in sections:
+        return f"no config section {parts[0]!r}"
+    keys = sections[parts[0]]
+    if keys is None:
+        return f"{parts[0]} is a plain key, not a section"
+    if len(parts) > 1 and parts[1] not in keys:
+        return f"section {parts[0]} has no key {parts[1]!r}"
+    return None

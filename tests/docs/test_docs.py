@@ -5,17 +5,32 @@
   bash blocks under `bash -euo pipefail`, python blocks under this interpreter.
 - Every `slidefusion COMMAND --flag` written anywhere in README.md and docs/ (code blocks and
   inline code) names a command and flags that the CLI's parser has.
+- Every `section.key=VALUE` after `slidefusion train|cache`, and every key of a YAML block of config
+  sections, names a config key; no example imports a module kept only for old code.
 - The site builds with `mkdocs build --strict` (broken links, anchors and nav entries fail it).
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from docs_snippets import ROOT, command_lines, doc_files, flags_of, runnable_blocks, subparsers
+import yaml
+from docs_snippets import (
+    ROOT,
+    command_lines,
+    config_words,
+    doc_files,
+    flags_of,
+    runnable_blocks,
+    subparsers,
+    train_config_keys,
+    unknown_config_key,
+    yaml_blocks,
+)
 
 BLOCKS = runnable_blocks(doc_files())
 TIMEOUT_S = 600
@@ -58,6 +73,44 @@ def test_every_documented_flag_exists():
         known = commands[command]
         unknown += [f"{where}: {command} has no {flag} (in {text!r})" for flag in flags if flag not in known]
     assert not unknown, "\n".join(unknown)
+
+
+def test_every_documented_config_key_exists():
+    sections = train_config_keys()
+    found, unknown = 0, []
+    for path in doc_files():
+        for where, text in command_lines(path):
+            for key in config_words(text):
+                found += 1
+                why = unknown_config_key(key, sections)
+                if why:
+                    unknown.append(f"{where}: {key}: {why} (in {text!r})")
+        for where, text in yaml_blocks(path):
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError:
+                continue
+            if not isinstance(data, dict) or not data or not set(data) <= set(sections):
+                continue  # not a training config's sections
+            for section, body in data.items():
+                for key in body if isinstance(body, dict) else ():
+                    found += 1
+                    why = unknown_config_key(f"{section}.{key}", sections)
+                    if why:
+                        unknown.append(f"{where}: {section}.{key}: {why}")
+    assert found > 30, "too few config keys found: is the scan broken?"
+    assert not unknown, "\n".join(unknown)
+
+
+# Modules kept only so that old imports keep working for a while; examples must use their successors.
+OLD_MODULES = ("slidefusion.adapters", "slidefusion.processors", "slidefusion.errors", "slidefusion.validate",
+               "slidefusion.cli_args", "slidefusion.parallel.api", "slidefusion.offload.config")
+
+
+def test_no_example_imports_an_old_module():
+    used = [f"{path.relative_to(ROOT)}: {name}" for path in doc_files() for name in OLD_MODULES
+            if re.search(rf"\b{re.escape(name)}\b", path.read_text(encoding="utf-8"))]
+    assert not used, used
 
 
 def test_the_site_builds_strictly(tmp_path):

@@ -12,8 +12,8 @@ EXAMPLES = ["slidefusion evaluate --checkpoint bundled --num 24 --json eval.json
 
 
 def run(args) -> None:
-    from slidefusion.errors import UserError
-    from slidefusion.validate import SEED_MAX
+    from slidefusion.core.errors import UserError
+    from slidefusion.core.validate import SEED_MAX
     from slidefusion.eval.evaluate import (
         SamplingSettings,
         evaluate_ground_truth,

@@ -3,10 +3,10 @@
 import json
 from pathlib import Path
 
-from slidefusion import validate
+from slidefusion.core import validate
 from slidefusion.cli import args as types
 from slidefusion.cli import help_text
-from slidefusion.errors import UserError
+from slidefusion.core.errors import UserError
 from slidefusion.io.files import write_text
 
 

@@ -1,34 +1,46 @@
 # The two commands a user needs: `make demo` and `make test`. Each sets itself up first.
+# `make demo` installs the library alone (what the demo needs); `make test` adds the [dev] extra.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# Exact versions for this project's own environment: torch is pinned there, never in pyproject.toml.
+PIP    := $(PY) -m pip install --quiet -c constraints.txt
+CORE   := $(VENV)/.installed-core
+DEV    := $(VENV)/.installed-dev
 # Small ops get much slower when threads are oversubscribed; pin the count explicitly.
 THREADS ?= 2
 export OMP_NUM_THREADS := $(THREADS)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test install docs clean
 
-install: $(STAMP)
+install: $(CORE)
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "slidefusion needs Python >= 3.11")'
 	$(PYTHON) -m venv $(VENV)
 
-# torch goes in first and exactly pinned, so nothing later can make pip resolve another build.
-$(STAMP): $(PY) pyproject.toml
+# torch goes in first, as constraints.txt pins it, so nothing later can make pip resolve another build.
+$(CORE): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	$(PIP) torch
+	$(PIP) -e .
+	touch $@
 
-demo: $(STAMP)
+$(DEV): $(CORE)
+	$(PIP) -e '.[dev]'
+	touch $@
+
+demo: $(CORE)
 	$(VENV)/bin/slidefusion demo --out outputs/demo.mp4
 
-test: $(STAMP)
+# The suite includes the docs: the site builds with --strict and its runnable examples run (tests/docs).
+test: $(DEV)
 	$(PY) -m pytest -q tests
 
+docs: $(DEV)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) outputs runs *.egg-info
+	rm -rf $(VENV) outputs runs site *.egg-info

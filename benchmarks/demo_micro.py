@@ -1,4 +1,4 @@
-"""The smallest text-to-layout task (issue 16, docs/demo-model.md): can a small DiT learn to put
+"""The smallest text-to-layout task (issue 16, docs/results/demo-model.md): can a small DiT learn to put
 the object where one word says, when that word is the only thing that varies?
 
 Four captions that differ in one word ("a red circle moving left/right/up/down quickly on a black

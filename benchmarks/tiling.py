@@ -20,7 +20,7 @@ The disk is measured on its own too: --disk-mb written and read back through `Sp
     nice -n 19 python benchmarks/tiling.py --quick        # ~2 minutes on 2 cores
     nice -n 19 python benchmarks/tiling.py --model wan --frames 4 16 --size 32 --depth 4
     nice -n 19 python benchmarks/tiling.py                # 8, 16, 32, 64 frames; writes OUT/tiling.json
-    python benchmarks/tiling.py --plot runs/bench/tiling/tiling.json --png docs/tiling-memory.png
+    python benchmarks/tiling.py --plot runs/bench/tiling/tiling.json --png docs/results/img/tiling-memory.png
 """
 
 import argparse
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="8 and 16 frames, one round, one step")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--plot", help="draw OUT/tiling.json (this path) instead of measuring")
-    p.add_argument("--png", default="docs/tiling-memory.png")
+    p.add_argument("--png", default="docs/results/img/tiling-memory.png")
     args = p.parse_args(argv)
     if args.quick:
         args.frames, args.rounds, args.steps = [8, 16], 1, 1

@@ -3,6 +3,8 @@
 `from slidefusion import use_slide_attention, restore_attention` (imported on first use, so that
 `import slidefusion` stays cheap)."""
 
+__version__ = "0.1.0"  # the one definition: pyproject.toml reads it
+
 _LAZY = {"use_slide_attention": "slidefusion.swap", "restore_attention": "slidefusion.swap"}
 
 

@@ -9,6 +9,7 @@ torchrun, `leave_after_rank_zero` is how a rank other than 0 ends after bad inpu
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -94,8 +95,29 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:  # reported by the subcommand that was running, so its name leads the line
-            namespace.command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            hint = config_flag_hint(extras)  # `--lora.rank 4`: say to write lora.rank=4
+            namespace.command_parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return namespace
+
+    def format_help(self) -> str:
+        before = getattr(self, "epilog_before", None)  # set by help_text.examples: built only when shown
+        if before is not None:
+            self.epilog, self.epilog_before = f"{before()}\n\n{self.epilog}", None
+        return super().format_help()
+
+
+def config_flag_hint(extras: list[str]) -> str:
+    """'; write lora.rank=4 ...' when an unrecognised argument looks like a config key written as a
+    flag (`--lora.rank 4` or `--lora.rank=4`), else ''."""
+    for i, arg in enumerate(extras):
+        found = re.fullmatch(r"--([A-Za-z_]\w*(?:\.\w+)+)(?:=(.*))?", arg)
+        if found:
+            value = found.group(2)
+            if value is None:
+                following = extras[i + 1] if i + 1 < len(extras) else ""
+                value = following if following and not following.startswith("--") else "VALUE"
+            return f"; write {found.group(1)}={value} (config keys are section.key=VALUE words, not flags)"
+    return ""
 
 
 def arg_type(name: str, check: Callable[[str], object]) -> Callable[[str], object]:
@@ -212,17 +234,19 @@ def _model_preset(name: str) -> str:
 model_preset = arg_type("preset", _model_preset)
 
 
-def add_sampling_options(parser: ArgumentParser) -> None:
-    """The sampling flags `generate` and `demo` share: sizes, steps, guidance, seed, device."""
-    parser.add_argument("--frames", type=positive_int, help="frames (default: the training clip length; "
-                        "required with --pretrained, e.g. 33 for Wan: 1 + 4k)")
-    parser.add_argument("--height", type=positive_int, help="height in pixels (default: the training size; "
-                        "required with --pretrained)")
-    parser.add_argument("--width", type=positive_int, help="width in pixels (default: the training size; "
-                        "required with --pretrained)")
+def add_sampling_options(parser: ArgumentParser, sizes: dict[str, str] | None = None) -> None:
+    """The sampling flags `generate` and `demo` share: sizes, steps, guidance, seed, device.
+    `sizes` replaces the help of --frames/--height/--width/--steps (demo: the bundled model's)."""
+    sizes = sizes or {}
+    parser.add_argument("--frames", type=positive_int, help=sizes.get("frames", "frames (default: the training clip "
+                        "length; required with --pretrained, e.g. 33 for Wan: 1 + 4k)"))
+    parser.add_argument("--height", type=positive_int, help=sizes.get("height", "height in pixels (default: the "
+                        "training size; required with --pretrained)"))
+    parser.add_argument("--width", type=positive_int, help=sizes.get("width", "width in pixels (default: the "
+                        "training size; required with --pretrained)"))
     parser.add_argument("--steps", type=integer(1, 10_000), default=30,
-                        help="sampling steps (default 30): Euler for our models, the folder's own scheduler "
-                        "for a diffusers folder or a fine-tune of one")
+                        help=sizes.get("steps", "sampling steps (default 30): Euler for our models, the folder's own "
+                                       "scheduler for a diffusers folder or a fine-tune of one"))
     parser.add_argument("--guidance", type=guidance, default=4.0,
                         help="classifier-free guidance scale, 0..100 (default 4; 1 = no guidance)")
     parser.add_argument("--seed", type=seed, default=0, help="0..2**64-1 (default 0)")

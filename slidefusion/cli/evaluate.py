@@ -3,8 +3,12 @@
 import time
 
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
 from slidefusion.cli.args import positive_int
 from slidefusion.data.shapes import COLORS
+
+EXAMPLES = ["slidefusion evaluate --checkpoint bundled --num 24 --json eval.json",
+            "slidefusion evaluate --ground-truth --num 24 --frames 32"]
 
 
 def run(args) -> None:
@@ -69,6 +73,7 @@ def add_parser(sub) -> None:
     evaluate.add_argument("--guidance", type=types.guidance, default=4.0, help="0..100 (default 4)")
     evaluate.add_argument("--seed", type=types.seed, default=0, help="video i uses seed SEED + i")
     evaluate.add_argument("--batch-size", type=positive_int, default=8, help="videos sampled together (default 8)")
-    evaluate.add_argument("--device", type=types.device, default="cpu")
-    evaluate.add_argument("--quiet", action="store_true")
+    evaluate.add_argument("--device", type=types.device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bars")
+    help_text.examples(evaluate, EXAMPLES)
     evaluate.set_defaults(func=run)

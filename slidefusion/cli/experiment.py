@@ -4,6 +4,12 @@ import argparse
 from pathlib import Path
 
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
+
+EXAMPLES = ["slidefusion experiment attention-ablation --budget quick",
+            "slidefusion experiment attention-ablation --budget full --variants dense slide"]
+ABLATION_EXAMPLES = ["slidefusion experiment attention-ablation --budget quick --out /tmp/ablation",
+                     "slidefusion experiment attention-ablation --budget full --variants dense slide"]
 
 
 def add_parser(sub) -> None:
@@ -21,6 +27,8 @@ def add_parser(sub) -> None:
                                "144 prompts, about 3 h; quick: a smoke run of every stage (under a minute)")
     ablation.add_argument("--out", type=types.output_folder, default="experiments/attention-ablation", help="output folder")
     ablation.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="a subset (default: all)")
+    help_text.examples(experiment, EXAMPLES)
+    help_text.examples(ablation, ABLATION_EXAMPLES)
     ablation.set_defaults(func=run)
 
 

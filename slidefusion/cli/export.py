@@ -1,9 +1,13 @@
 """`slidefusion export --checkpoint CKPT --out DIR [--format slidefusion|diffusers|comfyui]`."""
 
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
 from slidefusion.core.errors import UserError
 
 FORMATS = ("slidefusion", "diffusers", "comfyui")
+EXAMPLES = ["slidefusion export --checkpoint runs/first --out my-model",
+            "slidefusion export --checkpoint runs/wan-finetune --out wan-tuned --format diffusers",
+            "slidefusion export --checkpoint runs/wan-finetune --out comfy --format comfyui"]
 
 
 def add_parser(sub) -> None:
@@ -23,6 +27,7 @@ def add_parser(sub) -> None:
     export.add_argument("--max-shard-size", type=types.byte_size, default=None, metavar="SIZE",
                         help="diffusers: largest safetensors shard with its unit, e.g. 5GB (the default) or 500MB")
     export.add_argument("--force", action="store_true", help="replace --out if it is an existing folder")
+    help_text.examples(export, EXAMPLES)
     export.set_defaults(func=run)
 
 

@@ -12,9 +12,17 @@ import time
 from pathlib import Path
 
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
 from slidefusion.core.errors import UserError
 
 _REQUIRED = object()  # --checkpoint not given
+EXAMPLES = [
+    "slidefusion generate --checkpoint runs/first --prompt \"a red circle moving right\" --out video.mp4",
+    "slidefusion generate --pretrained Wan2.1-I2V-14B-480P-Diffusers --image first.png --prompt \"a cat\" --frames 33 "
+    "--height 480 --width 832 --out cat.mp4",
+    "torchrun --nproc-per-node 4 -m slidefusion generate --pretrained Wan2.1-T2V-14B-Diffusers --prompt \"a cat\" "
+    "--frames 81 --height 480 --width 832 --parallel usp --ulysses 2 --ring 2 --out cat.mp4",
+]
 PARALLEL_ONLY = {"slices": "--slices", "cfg_parallel": "--cfg-parallel", "trace": "--trace", "timeout": "--timeout",
                  "ulysses": "--ulysses", "ring": "--ring"}
 
@@ -27,7 +35,7 @@ def add_parser(sub) -> None:
                           help="a local diffusers pipeline folder (Wan, CogVideoX, HunyuanVideo, LTX-Video, Mochi, Latte), "
                                "sampled with its own scheduler")
     _add_folder_options(generate)
-    generate.add_argument("--prompt", type=types.text, required=True)
+    generate.add_argument("--prompt", type=types.text, required=True, help="the text to turn into a video")
     generate.add_argument("--out", type=types.output_file(".mp4", ".gif"), default="outputs/video.mp4",
                           help=".mp4 (H.264) or .gif")
     generate.add_argument("--init", choices=["checkpoint", "random"], default="checkpoint",
@@ -37,6 +45,7 @@ def add_parser(sub) -> None:
                           help="also write the final latents (a .safetensors file, key 'latents')")
     types.add_sampling_options(generate)
     _add_parallel_options(generate)
+    help_text.examples(generate, EXAMPLES)
     generate.set_defaults(func=run)
 
 

@@ -10,6 +10,7 @@ import yaml
 
 from slidefusion.attention import memory_models
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
 from slidefusion.core.errors import UserError
 from slidefusion.offload.policy import MASTERS, MOMENTS, ROUNDINGS, OffloadPolicy
 
@@ -27,6 +28,12 @@ POLICY_FLAGS = {
 CHOICES = {"master": MASTERS, "moments": MOMENTS, "rounding": ROUNDINGS}
 PLAN_DEFAULTS = {"tile": "auto"}  # the planner sizes a tile when whole blocks do not fit; the config's default is off
 
+EXAMPLES = [
+    "slidefusion plan --model wan2.1-14b --frames 81 --height 480 --width 832 --gpu-memory 24GB --host-memory 128GB "
+    "--tflops 165 --pcie 25GB/s --master bf16 --moments int8",
+    "slidefusion plan --model wan2.1-14b --frames 81 --height 480 --width 832 --gpus 8",
+    "slidefusion plan --model dit3d-105b --frames 256 --height 1080 --width 1920 --attention slide --disk 8TB",
+]
 DEFAULT_PCIE, DEFAULT_TFLOPS = "55GB/s", 990.0  # an H200 on PCIe 5 x16
 
 
@@ -62,6 +69,7 @@ def add_parser(subparsers) -> None:
                       help="samples per step (with --gpus: per data-parallel rank)")
     plan.add_argument("--vae-stride", type=types.int_list(3), default="4,8,8",
                       help="autoencoder stride t,h,w (default 4,8,8)")
+    help_text.examples(plan, EXAMPLES)
     plan.set_defaults(func=run)
 
 

@@ -5,8 +5,12 @@ from pathlib import Path
 
 from slidefusion.core import validate
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
 from slidefusion.core.errors import UserError
 from slidefusion.io.files import write_text
+
+
+EXAMPLES = ["slidefusion simulate", "slidefusion simulate --scenario full --inter-gbps 3200 --json sim.json"]
 
 
 def add_parser(sub) -> None:
@@ -22,12 +26,13 @@ def add_parser(sub) -> None:
                           help="tokens per frame S after patching (custom)")
     simulate.add_argument("--nodes", type=types.int_list(), default="1,2,4",
                           help="comma-separated node counts (default 1,2,4)")
-    simulate.add_argument("--gpus-per-node", type=types.positive_int, default=8)
+    simulate.add_argument("--gpus-per-node", type=types.positive_int, default=8, help="GPUs in each node (default 8)")
     simulate.add_argument("--inter-gbps", type=types.number(0, low_open=True), default=400.0,
                           help="bandwidth between nodes, Gb/s per node (> 0)")
     simulate.add_argument("--calibration", metavar="JSON", type=types.existing_file,
                           help="measured rates overriding the A100 profile")
     simulate.add_argument("--json", metavar="PATH", type=types.output_file(".json"), help="also write the table as JSON")
+    help_text.examples(simulate, EXAMPLES)
     simulate.set_defaults(func=run)
 
 

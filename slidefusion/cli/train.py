@@ -10,7 +10,16 @@ import warnings
 from contextlib import contextmanager
 
 from slidefusion.cli import args as types
+from slidefusion.cli import help_text
 from slidefusion.core.errors import NonFiniteError, UserError
+
+EXAMPLES = [
+    "slidefusion train configs/tiny.yaml run.steps=20 run.name=first",
+    "slidefusion train configs/wan-finetune.yaml model.pretrained=Wan2.1-T2V-1.3B-Diffusers data.root=my-videos "
+    "lora.rank=16 --offload",
+    "torchrun --nproc-per-node 8 -m slidefusion train configs/wan-finetune.yaml model.pretrained=Wan2.1-T2V-14B-Diffusers "
+    "data.root=my-videos --offload",
+]
 
 
 def add_parser(sub) -> None:
@@ -26,6 +35,7 @@ def add_parser(sub) -> None:
     train.add_argument("--offload", action="store_true",
                        help="train with the offload engine: weights and AdamW state in host memory (offload.enabled=true)")
     train.add_argument("--device", type=types.device, help="training device, e.g. cuda or cpu (run.device=...)")
+    help_text.examples(train, EXAMPLES, before=help_text.config_keys)
     train.set_defaults(func=run)
 
 
@@ -99,4 +109,4 @@ def on_ranks(prog: str):
                 raise
             print(f"{prog}: stopped: rank {rank}: another rank failed or stopped answering "
                   f"({types.one_line(str(error))[:300]})", file=sys.stderr, flush=True)
-            os._exit(1)
+            os._exit(3)  # stopped (exit 3): the last checkpoint is intact

@@ -79,7 +79,7 @@ def contrastive_flow_loss(velocity: VelocityFn, x0: Tensor, has_negative: Tensor
     relu(contrast_margin - (error with the negative - error with the true caption)).
 
     Plain regression cannot teach the model to tell directions apart while its prediction does not
-    yet depend on them (docs/demo-model.md, probe 6); the hinge's gradient is the difference of the
+    yet depend on them (docs/results/demo-model.md, probe 6); the hinge's gradient is the difference of the
     two captions' predictions, so it acts on exactly that. An ideal denoiser meets the default
     margin at every t below ~0.95, so the hinge does not pull away from the regression's optimum.
     Draws t and noise as `flow_loss` does, so without negatives the two are the same loss. With

@@ -5,7 +5,7 @@ attention and compares quality. Here:
 
 1. **Pretrain** a dense-attention DiT on short moving-shapes clips. The full budget reuses the
    bundled demo model (dit3d-small, 8 frames of 32x32; `configs/shapes-small.yaml` and
-   `docs/demo-model.md` for its training chain), so its cost is not counted again; the quick
+   `docs/results/demo-model.md` for its training chain), so its cost is not counted again; the quick
    budget pretrains a tiny model from scratch.
 2. **Adapt** (`--init-from` semantics: every weight whose name and shape match loads, the slide
    offset network starts at zero, i.e. as neighbourhood attention) to clips `long_frames` long with
@@ -90,7 +90,7 @@ BUDGETS: dict[str, Budget] = {
                    adapt_steps=240, batch_size=4, lr=2e-4, eval_videos=48,
                    sampling=SamplingSettings(steps=20, guidance=4.0, seed=0, batch_size=8)),
     # Half the length ratio, four times the steps: long enough an adaptation for the motion to come
-    # back, so that text alignment can separate the variants (docs/demo-model.md: the 16-frame
+    # back, so that text alignment can separate the variants (docs/results/demo-model.md: the 16-frame
     # pilots). Scored on 144 prompts, three times `full`'s, so that the binomial standard error of
     # alignment (0.02-0.04) can separate neighbouring variants. About 3 h on 2 cores: 960 steps at
     # 0.7-1.8 s (neighbourhood and window the fastest, dense and slide the slowest), 10-20 min of

@@ -10,7 +10,6 @@ Flow convention (OpenCV's): a flow field is float32 (H, W, 2) holding (dx, dy) i
 flow from frame a to frame b says where each pixel of a went in b: a(p) ~ b(p + flow(p)).
 """
 
-import cv2
 import numpy as np
 
 from slidefusion.data.video_io import to_uint8
@@ -44,12 +43,21 @@ def _frames(video, min_frames: int = 2) -> np.ndarray:
     return frames
 
 
+def _cv2():
+    """OpenCV, imported on first use: it comes with the optional `eval` extra, and the command line
+    imports this module to register `slidefusion evaluate` whether or not it is installed."""
+    import cv2
+
+    return cv2
+
+
 def _gray(frame, name: str) -> np.ndarray:
     """A uint8 frame, (H, W) grayscale or (H, W, 3) RGB, as uint8 (H, W) grayscale."""
     ok = isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.size > 0 and (
         frame.ndim == 2 or (frame.ndim == 3 and frame.shape[-1] == 3))
     check(ok, f"{name} must be a non-empty uint8 array (H, W) or (H, W, 3), got "
               f"{getattr(frame, 'dtype', type(frame).__name__)} {getattr(frame, 'shape', '')}")
+    cv2 = _cv2()
     return cv2.cvtColor(frame, cv2.COLOR_RGB2GRAY) if frame.ndim == 3 else np.ascontiguousarray(frame)
 
 
@@ -65,7 +73,7 @@ def optical_flow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     check(a.shape == b.shape, f"a and b must have the same height and width, got {a.shape} and {b.shape}")
     if np.array_equal(a, b):
         return np.zeros((*a.shape, 2), dtype=np.float32)
-    return cv2.calcOpticalFlowFarneback(
+    return _cv2().calcOpticalFlowFarneback(
         a, b, None, FLOW_PYR_SCALE, FLOW_LEVELS, FLOW_WINSIZE, FLOW_ITERATIONS, FLOW_POLY_N,
         FLOW_POLY_SIGMA, 0,
     )
@@ -86,6 +94,7 @@ def warp(frame: np.ndarray, flow: np.ndarray) -> np.ndarray:
     height, width = flow.shape[:2]
     xs, ys = np.meshgrid(np.arange(width, dtype=np.float32), np.arange(height, dtype=np.float32))
     map_x, map_y = xs + flow[..., 0].astype(np.float32), ys + flow[..., 1].astype(np.float32)
+    cv2 = _cv2()
     return cv2.remap(frame, map_x, map_y, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
 
 

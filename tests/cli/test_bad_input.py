@@ -121,7 +121,7 @@ KEYS = [
 # Hand-written invocations: (argv, text the one error line must contain).
 CASES = [
     # the command itself
-    ("", "required: command"), ("bogus", "invalid choice: 'bogus'"), ("train", "required: config"),
+    ("bogus", "invalid choice: 'bogus'"), ("train", "required: config"),
     ("generate", "required: --prompt"), ("export --out {cwd}/e", "required: --checkpoint"),
     ("export --checkpoint {ckpt}", "required: --out"), ("plan --model dit3d-tiny", "required:"),
     ("experiment", "required: experiment"), ("generate --prompt x --bogus 1", "unrecognized arguments: --bogus 1"),

@@ -36,8 +36,12 @@ demo: $(CORE)
 	$(VENV)/bin/slidefusion demo --out outputs/demo.mp4
 
 # The suite includes the docs: the site builds with --strict and its runnable examples run (tests/docs).
+# Two pytest workers (pytest-xdist), one thread each: most tests are small ops or wait on subprocesses,
+# so two workers on two cores halve the wall time where two threads in one process would not.
+WORKERS ?= 2
+test: export OMP_NUM_THREADS := 1
 test: $(DEV)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(WORKERS) tests
 
 docs: $(DEV)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
